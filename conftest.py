@@ -1,0 +1,89 @@
+"""Project-wide pytest wiring (tests/ and perf/).
+
+Markers
+  gpu            needs CUDA; skipped with a reason when it is absent
+  multi_gpu(n)   needs n CUDA devices; skipped otherwise
+  slow           long-running; deselect with -m "not slow"
+
+Options
+  --perf-profile=cpu|gpu|full   which benchmarks.json profile perf/ runs (default: gpu if CUDA is
+                                present, else cpu)
+  --perf-group=NAME             only the perf cases of that group (see benchmarks.json)
+  --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
+
+pytest-benchmark integration
+  machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton), and
+  comparing against a saved run whose GPU or versions differ prints a loud warning: absolute times do
+  not transfer between machines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_systems import machine
+from cs336_systems.matrix import PROFILES
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cs336_systems")
+    group.addoption(
+        "--perf-profile", choices=PROFILES, default=None,
+        help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
+    )
+    group.addoption("--perf-group", default=None, help="run only perf cases of this group")
+    group.addoption("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "multi_gpu(n): needs n CUDA devices")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
+def perf_profile(config: pytest.Config) -> str:
+    return config.getoption("--perf-profile") or machine.default_profile()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if item.get_closest_marker("gpu") and n_gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (marked gpu); none available"))
+        marker = item.get_closest_marker("multi_gpu")
+        if marker is not None:
+            needed = marker.args[0] if marker.args else 2
+            if n_gpus < needed:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"needs {needed} CUDA devices (marked multi_gpu); {n_gpus} available")
+                )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    facts = machine.machine_facts()
+    gpu = f"{facts['gpu_count']}x {facts['gpu_name']}" if facts["gpu_name"] else "no GPU"
+    return (
+        f"cs336_systems: {gpu}, torch {facts['torch']}, triton {facts['triton']}, "
+        f"cuda {facts['cuda']}, perf profile {perf_profile(config)}"
+    )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    machine_info["cs336_systems"] = machine.machine_facts()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info, compared_benchmark):
+    ours = machine_info.get("cs336_systems", {})
+    theirs = compared_benchmark.get("machine_info", {}).get("cs336_systems", {})
+    differences = machine.incomparable_fields(ours, theirs)
+    if differences:
+        lines = "\n".join(f"    {field}: now {a!r}, saved {b!r}" for field, a, b in differences)
+        message = (
+            "\n" + "!" * 78 + "\nCOMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE: absolute times do not transfer."
+            f"\n{lines}\nCompare only runs from the same machine and versions, or use in-run ratios.\n"
+            + "!" * 78
+        )
+        benchmarksession.logger.warning(message)

@@ -1,0 +1,88 @@
+"""Attention implementations behind one signature, selected by name.
+
+Every implementation is a function ``fn(q, k, v, is_causal=False) -> o`` with
+
+    q: (..., Nq, d)    k, v: (..., Nk, d)    o: (..., Nq, d)
+
+and any leading batch/head dimensions.  Causal masking is aligned at position 0: query i attends to keys
+j <= i (PyTorch SDPA's top-left convention, and the handout's ``torch.where(i >= j, S, -1e6)``).
+
+Each registered implementation carries an availability predicate, so callers (the model, the perf
+suites) can ask which implementations run on a device before trying them.  Unknown names raise
+``ValueError`` listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionImpl:
+    name: str
+    fn: AttentionFn
+    available: Callable[[torch.device], bool]
+    description: str = ""
+
+
+_REGISTRY: dict[str, AttentionImpl] = {}
+
+
+def register(
+    name: str,
+    fn: AttentionFn,
+    *,
+    available: Callable[[torch.device], bool] | None = None,
+    description: str = "",
+) -> None:
+    """Register ``fn`` under ``name``; ``available(device)`` says whether it can run on that device."""
+    if name in _REGISTRY:
+        raise ValueError(f"attention implementation {name!r} is already registered")
+    _REGISTRY[name] = AttentionImpl(
+        name=name, fn=fn, available=available or (lambda device: True), description=description
+    )
+
+
+def names() -> list[str]:
+    """All registered implementation names, in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> AttentionImpl:
+    """The implementation registered as ``name``; ValueError listing the valid names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention implementation {name!r}; valid: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def available(device: torch.device | str | None = None) -> list[str]:
+    """Names of the implementations that can run on ``device`` (default: CUDA if present, else CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return [name for name, impl in _REGISTRY.items() if impl.available(device)]
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *, impl: str = "naive"
+) -> torch.Tensor:
+    """Dispatch to the implementation named ``impl``."""
+    return get(impl).fn(q, k, v, is_causal=is_causal)
+
+
+def _register_builtin() -> None:
+    from cs336_systems.attention import naive, sdpa
+
+    register("naive", naive.naive_attention, description="matmul, mask, softmax, matmul (reference)")
+    register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention")
+
+
+_register_builtin()

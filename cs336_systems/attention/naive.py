@@ -1,0 +1,40 @@
+"""The reference attention: scores by matmul, causal mask, softmax, matmul.
+
+Shapes: q (..., Nq, d), k and v (..., Nk, d) -> o (..., Nq, d).
+
+Each step runs inside an NVTX range ("attention scores", "softmax", "final matmul") so a profiler can
+attribute time to the sub-steps.  Masked scores are set to -1e6 (the handout's convention) rather than
+-inf, so a fully masked row would give a uniform distribution instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cs336_systems.profiling import nvtx_range
+
+MASK_VALUE = -1e6
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """Boolean (Nq, Nk) mask, True where query i may attend key j (j <= i, aligned at position 0)."""
+    i = torch.arange(n_queries, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)[None, :]
+    return i >= j
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> torch.Tensor:
+    d = q.shape[-1]
+    with nvtx_range("attention scores"):
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (..., Nq, Nk)
+        if is_causal:
+            mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
+            scores = scores.masked_fill(~mask, MASK_VALUE)
+    with nvtx_range("softmax"):
+        probs = torch.softmax(scores, dim=-1)  # (..., Nq, Nk)
+    with nvtx_range("final matmul"):
+        return probs.to(v.dtype) @ v  # (..., Nq, d)

@@ -1,0 +1,98 @@
+"""What the end-to-end benchmarks time: one step of the LM in a given mode.
+
+Modes:
+  "forward"           inference: logits under torch.no_grad()
+  "forward-backward"  zero grads (set to None), forward, cross-entropy loss, backward
+  "train-step"        forward-backward plus an AdamW step (fused on CUDA: one kernel for all tensors)
+
+`lm_step(...)` builds the model, random token batch and optimizer on ``device`` and returns the
+zero-argument step; pass it to the harness as a setup (``lambda: lm_step(...)``) so an OOM while
+building is recorded like any other.
+
+Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
+(torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
+and static shapes give the best kernels.  Dynamo's caches are reset first so cases never share (and
+exhaust) a recompile budget.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cs336_systems import amp
+from cs336_systems.model import TransformerBlock, TransformerLM, build
+
+
+MODES = ("forward", "forward-backward", "train-step")
+
+
+def compile_blocks(model: TransformerLM) -> TransformerLM:
+    """Compile every TransformerBlock and the final norm in place; returns the model."""
+    torch._dynamo.reset()
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            module.compile(dynamic=False)
+    model.final_norm.compile(dynamic=False)
+    return model
+
+
+def lm_step(
+    *,
+    size: str,
+    context: int,
+    batch_size: int,
+    mode: str,
+    precision: str = "fp32",
+    compile: bool = False,
+    attention: str = "sdpa",
+    device: torch.device | str = "cpu",
+    vocab_size: int = 10_000,
+    lr: float = 1e-4,
+    seed: int = 0,
+):
+    """Build an LM workload and return ``step()`` running one ``mode`` step on it."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    amp.check_precision(precision)
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = build(size, context_length=context, attention=attention, vocab_size=vocab_size)
+    if compile:
+        compile_blocks(model)
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
+    targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
+
+    if mode == "forward":
+        model.eval()
+
+        def forward() -> None:
+            with torch.no_grad(), amp.autocast(precision, device):
+                model(tokens)
+
+        return forward
+
+    optimizer = None
+    if mode == "train-step":
+        # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+    scaler = amp.grad_scaler(precision, device)
+
+    def train() -> None:
+        model.zero_grad(set_to_none=True)
+        with amp.autocast(precision, device):
+            logits = model(tokens)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if optimizer is not None:
+                scaler.step(optimizer)
+                scaler.update()
+        else:
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+
+    return train

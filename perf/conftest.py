@@ -1,0 +1,133 @@
+"""perf/ wiring: cases generated from benchmarks.json, and the `bench` fixture.
+
+A perf test is marked ``@pytest.mark.suite("<suite name>")`` and takes a ``case`` argument; it is
+parametrized with that suite's cases under the active profile (``--perf-profile``), optionally filtered by
+``--perf-group``.  Its body hands a workload *setup* to ``bench(...)``, which
+
+* runs warm-up and measured rounds through `cs336_systems.benchmarking.run_pytest_benchmark`
+  (synchronizing clock, peak memory after warm-up, OOM capture), so a case cannot forget to sync;
+* records the case, status, peak memory and derived rates (tokens/s, TFLOP/s, MFU) in ``extra_info``,
+  which pytest-benchmark writes into its JSON (``--benchmark-autosave`` / ``--benchmark-json``);
+* turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
+  so reports show OOM cells and comparisons never treat a missing time as a speed-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cs336_systems import benchmarking, flops, machine, matrix
+
+OOM_KEY = pytest.StashKey[list]()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def perf_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _profile(config: pytest.Config) -> str:
+    return config.getoption("--perf-profile") or machine.default_profile()
+
+
+def _load_matrix(config: pytest.Config) -> matrix.Matrix:
+    if not hasattr(config, "_cs336_matrix"):
+        config._cs336_matrix = matrix.load(ROOT / "benchmarks.json")
+    return config._cs336_matrix
+
+
+def case_id(case: dict) -> str:
+    """Readable, stable test id: values joined in a fixed order (e.g. small-ctx128-b4-forward-bf16-eager)."""
+    parts = []
+    for key, fmt in (
+        ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("mode", "{}"),
+        ("precision", "{}"), ("compile", None), ("attention", "{}"), ("warmup", "w{}"),
+    ):
+        if key not in case:
+            continue
+        if key == "compile":
+            parts.append("compiled" if case[key] else "eager")
+        else:
+            parts.append(fmt.format(case[key]))
+    return "-".join(parts)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("suite")
+    if marker is None or not marker.args:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid} takes `case` but has no @pytest.mark.suite(name)")
+    suite = marker.args[0]
+    config = metafunc.config
+    cases = _load_matrix(config).cases(suite, _profile(config))
+    group = config.getoption("--perf-group")
+    if group is not None:
+        cases = [c for c in cases if c.get("group") == group]
+    metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
+    config.stash[OOM_KEY] = []
+
+
+def _peak_for(precision: str, peak_override: float | None) -> float | None:
+    if peak_override is not None:
+        return peak_override
+    if not torch.cuda.is_available():
+        return None
+    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        precision = "tf32"
+    return machine.peak_tflops(torch.cuda.get_device_name(0), precision)
+
+
+@pytest.fixture
+def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
+    """``bench(setup, *, case, flops=None, tokens=None) -> Measurement``; see the module docstring."""
+
+    def run(setup, *, case: dict, flops_per_step: float | None = None, tokens: int | None = None):
+        benchmark.extra_info.update(case)
+        benchmark.extra_info["device"] = str(perf_device)
+        result = benchmarking.run_pytest_benchmark(
+            benchmark, setup, warmup=case["warmup"], rounds=case["rounds"], device=perf_device
+        )
+        benchmark.extra_info["status"] = result.status
+        if not result.ok:
+            request.config.stash[OOM_KEY].append(
+                {"name": request.node.name, "fullname": request.node.nodeid, "extra_info": dict(case),
+                 "error": result.error}
+            )
+            pytest.skip(f"OOM (recorded in the saved JSON): {result.error}")
+        median = result.stats.median
+        if result.peak_memory_bytes is not None:
+            benchmark.extra_info["peak_memory_gib"] = result.peak_memory_bytes / 2**30
+        if tokens is not None:
+            benchmark.extra_info["tokens_per_s"] = tokens / median
+        if flops_per_step is not None:
+            peak = _peak_for(case.get("precision", "fp32"), request.config.getoption("--peak-tflops"))
+            benchmark.extra_info["flops_per_step"] = flops_per_step
+            benchmark.extra_info["tflops"] = flops_per_step / median / 1e12
+            benchmark.extra_info["peak_tflops"] = peak
+            benchmark.extra_info["mfu"] = flops.mfu(flops_per_step, median, peak)
+        return result
+
+    return run
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
+    output_json["oom"] = list(config.stash.get(OOM_KEY, []))
+    output_json["perf_profile"] = _profile(config)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    ooms = config.stash.get(OOM_KEY, [])
+    if ooms:
+        terminalreporter.section(f"{len(ooms)} case(s) ran out of memory (recorded)")
+        for oom in ooms:
+            terminalreporter.line(f"OOM {oom['name']}: {oom['error']}")

@@ -1,0 +1,37 @@
+"""End-to-end LM benchmarks (cases from benchmarks.json).
+
+end_to_end    size x context x batch x mode x precision x eager/compiled
+warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
+              steps include allocator growth, cuBLAS/cuDNN heuristics and (compiled) compilation: a
+              higher mean and a much larger std.  Each case builds a fresh model and resets dynamo, but
+              the process's CUDA context exists once any case has run, so the 0-warm-up numbers
+              understate a cold process's first step.
+"""
+
+import pytest
+
+from cs336_systems import flops, model, workloads
+
+
+def _run_lm_case(case, bench, device):
+    cfg = model.config(case["size"], context_length=case["context"], attention=case["attention"])
+    bench(
+        lambda: workloads.lm_step(
+            size=case["size"], context=case["context"], batch_size=case["batch_size"],
+            mode=case["mode"], precision=case["precision"], compile=case["compile"],
+            attention=case["attention"], device=device,
+        ),
+        case=case,
+        flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),
+        tokens=case["batch_size"] * case["context"],
+    )
+
+
+@pytest.mark.suite("end_to_end")
+def test_end_to_end(case, bench, perf_device):
+    _run_lm_case(case, bench, perf_device)
+
+
+@pytest.mark.suite("warmup_study")
+def test_warmup_study(case, bench, perf_device):
+    _run_lm_case(case, bench, perf_device)
