@@ -103,6 +103,8 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
                  "error": result.error}
             )
             pytest.skip(f"OOM (recorded in the saved JSON): {result.error}")
+        if result.stats is None:  # --benchmark-disable: the step ran once as a smoke test, untimed
+            return result
         median = result.stats.median
         if result.peak_memory_bytes is not None:
             benchmark.extra_info["peak_memory_gib"] = result.peak_memory_bytes / 2**30
