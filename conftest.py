@@ -25,6 +25,9 @@ import torch
 from cs336_systems import machine
 from cs336_systems.matrix import PROFILES
 
+# pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
+pytest_plugins = ["pytester"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cs336_systems")

@@ -37,6 +37,18 @@ def compile_blocks(model: TransformerLM) -> TransformerLM:
     return model
 
 
+class LMStep:
+    """A zero-argument step, with the model and optimizer it drives exposed for inspection."""
+
+    def __init__(self, run, model: TransformerLM, optimizer: torch.optim.Optimizer | None) -> None:
+        self._run = run
+        self.model = model
+        self.optimizer = optimizer
+
+    def __call__(self) -> None:
+        self._run()
+
+
 def lm_step(
     *,
     size: str,
@@ -50,7 +62,7 @@ def lm_step(
     vocab_size: int = 10_000,
     lr: float = 1e-4,
     seed: int = 0,
-):
+) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -72,7 +84,7 @@ def lm_step(
             with torch.no_grad(), amp.autocast(precision, device):
                 model(tokens)
 
-        return forward
+        return LMStep(forward, model, None)
 
     optimizer = None
     if mode == "train-step":
@@ -95,4 +107,4 @@ def lm_step(
             if optimizer is not None:
                 optimizer.step()
 
-    return train
+    return LMStep(train, model, optimizer)

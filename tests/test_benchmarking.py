@@ -1,0 +1,180 @@
+"""The timing harness, with a fake clock and a fake device so the ordering can be checked exactly."""
+
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cs336_systems import benchmarking
+from cs336_systems.benchmarking import Measurement, Stats, SynchronizedClock, measure
+
+
+class FakeDevice:
+    """Records the order of sync / clock read / step events; the clock advances only when work runs."""
+
+    def __init__(self, step_seconds=0.25):
+        self.events = []
+        self.now = 0.0
+        self.pending = 0.0  # "queued" device work, only visible to the clock after a sync
+        self.step_seconds = step_seconds
+
+    def sync(self):
+        self.events.append("sync")
+        self.now += self.pending
+        self.pending = 0.0
+
+    def clock(self):
+        self.events.append("read")
+        return self.now
+
+    def step(self):
+        self.events.append("step")
+        self.pending += self.step_seconds  # asynchronous: the host returns immediately
+
+    def harness_clock(self):
+        return SynchronizedClock(sync=self.sync, clock=self.clock)
+
+
+def assert_every_read_follows_a_sync(events):
+    for i, event in enumerate(events):
+        if event == "read":
+            assert i > 0 and events[i - 1] == "sync", f"clock read #{i} not preceded by sync: {events}"
+
+
+def test_measure_syncs_before_every_read_and_skips_warmup():
+    dev = FakeDevice(step_seconds=0.25)
+    result = measure(lambda: dev.step, warmup=3, rounds=5, clock=dev.harness_clock())
+    assert result.ok and result.warmup == 3
+    assert dev.events.count("step") == 8
+    assert result.times_s == (0.25,) * 5  # async work is inside every interval, warm-up in none
+    assert_every_read_follows_a_sync(dev.events)
+    first_read = dev.events.index("read")
+    assert dev.events[:first_read].count("step") == 3  # warm-up drained before the first timed read
+
+
+def test_without_sync_the_fake_device_would_measure_nothing():
+    """Control for the test above: reading the clock without a sync misses the queued work."""
+    dev = FakeDevice()
+    start = dev.clock()
+    dev.step()
+    assert dev.clock() - start == 0.0
+
+
+def test_setup_runs_once_and_is_not_timed():
+    dev = FakeDevice()
+    calls = []
+
+    def setup():
+        calls.append(1)
+        dev.pending += 100.0  # expensive setup work (e.g. building a model) queued on the device
+        return dev.step
+
+    result = measure(setup, warmup=0, rounds=3, clock=dev.harness_clock())
+    assert calls == [1]
+    assert result.times_s == (0.25,) * 3
+
+
+@pytest.mark.parametrize(
+    "where", ["setup", "warmup", "measure"],
+)
+def test_oom_anywhere_becomes_a_result(where):
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if where == "warmup" or (where == "measure" and calls["n"] > 2):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def setup():
+        if where == "setup":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return step
+
+    result = measure(setup, warmup=2, rounds=3)
+    assert result.status == "oom" and not result.ok
+    assert "out of memory" in result.error
+    assert result.times_s == () and result.stats is None
+
+
+def test_cublas_alloc_failure_counts_as_oom_but_other_errors_propagate():
+    def cublas():
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+
+    assert measure(lambda: cublas, warmup=1, rounds=1).status == "oom"
+
+    def bug():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        measure(lambda: bug, warmup=1, rounds=1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        measure(lambda: (lambda: None), rounds=0)
+    with pytest.raises(ValueError, match="warmup must be >= 0, got -1"):
+        measure(lambda: (lambda: None), warmup=-1)
+    with pytest.raises(TypeError, match="setup must return a callable step"):
+        measure(lambda: 3, warmup=0, rounds=1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(1e-6, 10.0), min_size=2, max_size=40))
+def test_stats_match_numpy(times):
+    s = Stats.of(times)
+    assert s.rounds == len(times)
+    assert s.mean == pytest.approx(np.mean(times))
+    assert s.std == pytest.approx(np.std(times, ddof=1), abs=1e-12)
+    assert s.median == pytest.approx(np.median(times))
+    assert (s.min, s.max) == (min(times), max(times))
+    q1, q3 = np.percentile(times, [25, 75])  # numpy's linear method == statistics' "inclusive"
+    assert s.iqr == pytest.approx(q3 - q1, abs=1e-12)
+
+
+def test_measurement_dict_has_stats():
+    d = Measurement("ok", 1, (1.0, 2.0, 3.0), 10).as_dict()
+    assert d["stats"]["median"] == 2.0 and d["stats"]["iqr"] == pytest.approx(1.0)
+    assert d["peak_memory_bytes"] == 10
+    assert statistics.fmean(d["times_s"]) == 2.0
+
+
+def test_real_cpu_measurement_has_no_peak_memory():
+    x = torch.randn(64, 64)
+    result = measure(lambda: (lambda: x @ x), warmup=1, rounds=3, device="cpu")
+    assert result.ok and len(result.times_s) == 3 and all(t > 0 for t in result.times_s)
+    assert result.peak_memory_bytes is None
+
+
+@pytest.mark.gpu
+def test_cuda_measurement_tracks_peak_memory_of_measured_rounds_only():
+    device = torch.device("cuda")
+
+    def setup():
+        big = torch.empty(2**28, device=device)  # 1 GiB, freed before the measured rounds
+        del big
+        x = torch.randn(1024, 1024, device=device)
+        return lambda: x @ x
+
+    result = measure(setup, warmup=2, rounds=5, device=device)
+    assert result.ok and result.peak_memory_bytes < 2**28
+
+
+@pytest.mark.gpu
+def test_cuda_real_oom_is_recorded_and_memory_released():
+    device = torch.device("cuda")
+    before = torch.cuda.memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = []
+
+    def setup():
+        held.append(torch.empty(total // 2, dtype=torch.uint8, device=device))
+        return lambda: torch.empty(total, dtype=torch.uint8, device=device)
+
+    result = measure(setup, warmup=1, rounds=1, device=device)
+    assert result.status == "oom"
+    held.clear()
+    benchmarking.free_memory(device)
+    assert torch.cuda.memory_allocated(device) == before
