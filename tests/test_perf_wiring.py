@@ -1,0 +1,123 @@
+"""The perf/ wiring (bench fixture, matrix parametrization, OOM recording, machine_info, comparisons),
+exercised in isolated pytest sessions built from the project's real conftest files."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_MATRIX = {
+    "suites": {
+        "end_to_end": {
+            "profiles": {
+                "cpu": [{"sizes": ["tiny"], "contexts": [8, 16], "batch_sizes": [1], "modes": ["forward"],
+                         "precisions": ["fp32"], "compile": [False], "warmup": 1, "rounds": 3, "group": "g1"}]
+            }
+        }
+    }
+}
+
+PERF_TESTS = '''
+import pytest, torch
+from cs336_systems.benchmarking import SynchronizedClock, run_pytest_benchmark
+
+@pytest.mark.suite("end_to_end")
+def test_case(case, bench):
+    x = torch.randn(32, 32)
+    result = bench(lambda: (lambda: x @ x), case=case, flops_per_step=2 * 32**3, tokens=100)
+    assert result.ok and len(result.times_s) == case["rounds"]
+
+def test_oom(bench):
+    def setup():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    bench(setup, case={"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward",
+                       "precision": "fp32", "compile": False, "attention": "sdpa", "warmup": 1, "rounds": 2})
+
+def test_pytest_benchmark_reads_the_clock_only_after_a_sync(benchmark):
+    events, state = [], {"now": 0.0, "pending": 0.0}
+    def sync():
+        events.append("sync"); state["now"] += state["pending"]; state["pending"] = 0.0
+    def clock():
+        events.append("read"); return state["now"]
+    def step():
+        events.append("step"); state["pending"] += 0.5
+    result = run_pytest_benchmark(benchmark, lambda: step, warmup=2, rounds=4,
+                                  clock=SynchronizedClock(sync=sync, clock=clock))
+    assert events.count("step") == 6
+    assert all(events[i - 1] == "sync" for i, e in enumerate(events) if e == "read")
+    assert list(benchmark.stats.stats.data) == [0.5] * 4 == list(result.times_s)
+'''
+
+
+@pytest.fixture
+def project(pytester):
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    perf = pytester.mkdir("perf")
+    (perf / "conftest.py").write_text((ROOT / "perf" / "conftest.py").read_text())
+    (perf / "test_fake.py").write_text(PERF_TESTS)
+    (pytester.path / "benchmarks.json").write_text(json.dumps(TINY_MATRIX))
+    return pytester
+
+
+def test_bench_fixture_records_cases_rates_and_ooms(project):
+    result = project.runpytest_subprocess(
+        "perf", "--perf-profile=cpu", "--benchmark-json=out.json", "-p", "no:cacheprovider", "-rs"
+    )
+    result.assert_outcomes(passed=3, skipped=1)
+    result.stdout.fnmatch_lines(["*1 case(s) ran out of memory*", "*OOM (recorded in the saved JSON)*"])
+    data = json.loads((project.path / "out.json").read_text())
+    names = {b["name"] for b in data["benchmarks"]}
+    assert names == {"test_case[tiny-ctx8-b1-forward-fp32-eager-sdpa-w1]",
+                     "test_case[tiny-ctx16-b1-forward-fp32-eager-sdpa-w1]",
+                     "test_pytest_benchmark_reads_the_clock_only_after_a_sync"}
+    case = next(b for b in data["benchmarks"] if b["name"].startswith("test_case[tiny-ctx8"))
+    info = case["extra_info"]
+    assert info["status"] == "ok" and info["context"] == 8 and info["group"] == "g1"
+    assert info["tokens_per_s"] == pytest.approx(100 / case["stats"]["median"])
+    assert info["tflops"] == pytest.approx(2 * 32**3 / case["stats"]["median"] / 1e12)
+    assert info["mfu"] is None  # no GPU, no peak
+    assert case["stats"]["rounds"] == 3
+    assert [o["name"] for o in data["oom"]] == ["test_oom"]
+    assert data["perf_profile"] == "cpu"
+    assert {"gpu_name", "torch", "triton", "cuda", "driver"} <= set(data["machine_info"]["cs336_systems"])
+
+
+def test_perf_group_filters_cases(project):
+    result = project.runpytest_subprocess("perf", "--perf-group=nope", "-k", "test_case", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1)  # empty parameter set
+    result = project.runpytest_subprocess("perf", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+
+def test_peak_override_gives_mfu(project):
+    project.runpytest_subprocess(
+        "perf", "-k", "test_case", "--peak-tflops=1.0", "--benchmark-json=out.json", "-p", "no:cacheprovider"
+    ).assert_outcomes(passed=2)
+    data = json.loads((project.path / "out.json").read_text())
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        assert info["mfu"] == pytest.approx(info["tflops"] / 1.0)
+
+
+def test_comparing_runs_from_another_gpu_warns_loudly(project):
+    storage = project.path / "store"
+    args = ("perf", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
+    project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
+    saved = next(storage.rglob("0001_base.json"))
+    data = json.loads(saved.read_text())
+    data["machine_info"]["cs336_systems"]["gpu_name"] = "NVIDIA H100 80GB HBM3"
+    saved.write_text(json.dumps(data))
+    result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
+    output = result.stdout.str() + result.stderr.str()
+    assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in output
+    assert "gpu_name: now None, saved 'NVIDIA H100 80GB HBM3'" in output
+
+
+def test_same_machine_comparison_is_quiet(project):
+    storage = project.path / "store"
+    args = ("perf", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
+    project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
+    result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
+    assert "COMPARING RUNS FROM DIFFERENT GPUS" not in result.stdout.str() + result.stderr.str()
