@@ -6,6 +6,9 @@ Every measurement in this package goes through here, so the rules hold everywher
 * the clock is only ever read through a `SynchronizedClock`, which waits for the device (CUDA
   synchronize) before reading the host timer, so queued kernels are always inside the interval;
 * peak memory is reset after warm-up and read after the measured rounds;
+* Python's cyclic garbage collector is run once before warm-up and paused until the last measured
+  round (as `timeit` does): a full collection over the object graph that torch.compile and autograd
+  leave behind takes tens of milliseconds and would land at random in launch-bound steps;
 * CUDA out-of-memory (while building the workload, warming up or measuring) becomes a `Measurement`
   with ``status="oom"`` and the memory is released so the next case can run.
 
@@ -20,6 +23,7 @@ inside the harness is what lets an OOM during model construction become a result
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -157,6 +161,19 @@ def peak_memory_bytes(device: torch.device | str | None) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Collect once, then keep the cyclic GC off for the block (restoring its previous state)."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _guard_oom(call: Callable[[], object]) -> object:
     """Run ``call``; re-raise an OOM as _OutOfMemory *without* its traceback (which pins the tensors)."""
     try:
@@ -195,12 +212,13 @@ def measure(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     clock = clock or SynchronizedClock(device)
     try:
-        step = _prepare(setup, warmup, clock, device)
-        times = []
-        for _ in range(rounds):
-            start = clock()
-            _guard_oom(step)
-            times.append(clock() - start)
+        with gc_paused():
+            step = _prepare(setup, warmup, clock, device)
+            times = []
+            for _ in range(rounds):
+                start = clock()
+                _guard_oom(step)
+                times.append(clock() - start)
     except _OutOfMemory as oom:
         error = str(oom)
     else:
@@ -232,9 +250,10 @@ def run_pytest_benchmark(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     clock = clock or SynchronizedClock(device)
     try:
-        step = _prepare(setup, warmup, clock, device)
-        benchmark._timer = clock
-        benchmark.pedantic(lambda: _guard_oom(step), rounds=rounds, iterations=1, warmup_rounds=0)
+        with gc_paused():
+            step = _prepare(setup, warmup, clock, device)
+            benchmark._timer = clock
+            benchmark.pedantic(lambda: _guard_oom(step), rounds=rounds, iterations=1, warmup_rounds=0)
     except _OutOfMemory as oom:
         error = str(oom)
     else:

@@ -55,6 +55,16 @@ def test_measure_syncs_before_every_read_and_skips_warmup():
     assert dev.events[:first_read].count("step") == 3  # warm-up drained before the first timed read
 
 
+def test_gc_is_paused_while_measuring_and_restored_after():
+    import gc
+
+    states = []
+    assert gc.isenabled()
+    measure(lambda: (lambda: states.append(gc.isenabled())), warmup=2, rounds=3)
+    assert states == [False] * 5
+    assert gc.isenabled()
+
+
 def test_without_sync_the_fake_device_would_measure_nothing():
     """Control for the test above: reading the clock without a sync misses the queued work."""
     dev = FakeDevice()

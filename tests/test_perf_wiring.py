@@ -93,15 +93,15 @@ def test_bench_fixture_records_cases_rates_and_ooms(project):
 
 
 def test_perf_group_filters_cases(project):
-    result = project.runpytest_subprocess("perf", "--perf-group=nope", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=nope", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=1)  # empty parameter set
-    result = project.runpytest_subprocess("perf", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
 
 
 def test_peak_override_gives_mfu(project):
     project.runpytest_subprocess(
-        "perf", "-k", "test_case", "--peak-tflops=1.0", "--benchmark-json=out.json", "-p", "no:cacheprovider"
+        "perf", "--perf-profile=cpu", "-k", "test_case", "--peak-tflops=1.0", "--benchmark-json=out.json", "-p", "no:cacheprovider"
     ).assert_outcomes(passed=2)
     data = json.loads((project.path / "out.json").read_text())
     for bench in data["benchmarks"]:
@@ -111,7 +111,7 @@ def test_peak_override_gives_mfu(project):
 
 def test_comparing_runs_from_another_gpu_warns_loudly(project):
     storage = project.path / "store"
-    args = ("perf", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
+    args = ("perf", "--perf-profile=cpu", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
     project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
     saved = next(storage.rglob("0001_base.json"))
     data = json.loads(saved.read_text())
@@ -125,7 +125,7 @@ def test_comparing_runs_from_another_gpu_warns_loudly(project):
 
 def test_same_machine_comparison_is_quiet(project):
     storage = project.path / "store"
-    args = ("perf", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
+    args = ("perf", "--perf-profile=cpu", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
     project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
     result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
     assert "COMPARING RUNS FROM DIFFERENT GPUS" not in result.stdout.str() + result.stderr.str()
