@@ -55,7 +55,11 @@ def test_pytest_benchmark_reads_the_clock_only_after_a_sync(benchmark):
 
 
 @pytest.fixture
-def project(pytester):
+def project(pytester, monkeypatch):
+    # Under `pytest -n`, xdist's worker variables would leak into the child session and make
+    # pytest-benchmark disable itself there.
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     perf = pytester.mkdir("perf")
     (perf / "conftest.py").write_text((ROOT / "perf" / "conftest.py").read_text())
