@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems.attention.checks import check_qkv
+
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -74,15 +76,20 @@ def available(device: torch.device | str | None = None) -> list[str]:
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *, impl: str = "naive"
 ) -> torch.Tensor:
-    """Dispatch to the implementation named ``impl``."""
-    return get(impl).fn(q, k, v, is_causal=is_causal)
+    """Validate the inputs (ValueError naming the argument), then dispatch to ``impl``."""
+    fn = get(impl).fn
+    check_qkv(q, k, v)
+    return fn(q, k, v, is_causal=is_causal)
 
 
 def _register_builtin() -> None:
     from cs336_systems.attention import naive, sdpa
 
     register("naive", naive.naive_attention, description="matmul, mask, softmax, matmul (reference)")
+    register("naive-compiled", naive.naive_attention_compiled, description="torch.compile of naive")
     register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention")
+    for name, backend in sdpa.PINNED_BACKENDS.items():
+        register(name, sdpa.pinned(name), available=sdpa.cuda_only, description=f"SDPA pinned to {backend.name}")
 
 
 _register_builtin()

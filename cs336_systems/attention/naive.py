@@ -38,3 +38,16 @@ def naive_attention(
         probs = torch.softmax(scores, dim=-1)  # (..., Nq, Nk)
     with nvtx_range("final matmul"):
         return probs.to(v.dtype) @ v  # (..., Nq, d)
+
+
+_compiled = None
+
+
+def naive_attention_compiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> torch.Tensor:
+    """`torch.compile` of `naive_attention`, compiled on first use (the NVTX ranges are skipped inside)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(naive_attention)
+    return _compiled(q, k, v, is_causal=is_causal)
