@@ -19,8 +19,16 @@ pytest-benchmark integration
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter, which must be switched on before
+# any @triton.jit decorator runs (the kernels are imported lazily, after this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from cs336_systems import machine
 from cs336_systems.matrix import PROFILES

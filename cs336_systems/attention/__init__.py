@@ -82,6 +82,22 @@ def attention(
     return fn(q, k, v, is_causal=is_causal)
 
 
+def _flash_triton_available(device: torch.device) -> bool:
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _flash_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    # Imported on first use: importing Triton is slow, and TRITON_INTERPRET must be set before the
+    # @triton.jit decorators run for the CPU interpreter to take effect.
+    from cs336_systems.attention.flash_triton import flash_attention_triton
+
+    return flash_attention_triton(q, k, v, is_causal)
+
+
 def _register_builtin() -> None:
     from cs336_systems.attention import naive, sdpa
 
@@ -90,6 +106,10 @@ def _register_builtin() -> None:
     register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention")
     for name, backend in sdpa.PINNED_BACKENDS.items():
         register(name, sdpa.pinned(name), available=sdpa.cuda_only, description=f"SDPA pinned to {backend.name}")
+    register(
+        "flash-triton", _flash_triton, available=_flash_triton_available,
+        description="FlashAttention-2 forward and backward in Triton (cs336_systems.attention.flash_triton)",
+    )
 
 
 _register_builtin()

@@ -33,7 +33,8 @@ def naive_attention(
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (..., Nq, Nk)
         if is_causal:
             mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
-            scores = scores.masked_fill(~mask, MASK_VALUE)
+            # -1e6 overflows float16: clamp to the dtype's range (exp underflows to 0 either way).
+            scores = scores.masked_fill(~mask, max(MASK_VALUE, torch.finfo(scores.dtype).min))
     with nvtx_range("softmax"):
         probs = torch.softmax(scores, dim=-1)  # (..., Nq, Nk)
     with nvtx_range("final matmul"):

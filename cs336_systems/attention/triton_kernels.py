@@ -1,0 +1,262 @@
+"""FlashAttention-2 Triton kernels (forward, backward preprocess, dK/dV, dQ). Kernel code only.
+
+Layout: every tensor is (BH, N, d) with a unit stride on d; one program handles one tile of one
+(batch x head) slice.  Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so
+exp(S - m) == exp2(s2 - m2) and the kernels use the cheaper exp2.  L is stored in natural-log units
+(logsumexp of S = q.k/sqrt(d)), as the autograd contract asks.
+
+Causal masking is top-left aligned (query i sees keys j <= i).  Each kernel walks its inner loop in
+two phases: tiles that need no mask (fully visible and fully in bounds) and the few that do (the
+diagonal band and the ragged end), so only those pay for the index comparison.  Tiles entirely
+above the diagonal are never visited.  Masked scores get a large finite negative value instead of
+-inf, so a row's running max is always finite and no NaN can arise from (-inf) - (-inf).
+
+Pointer arithmetic only (no tl.make_block_ptr, which triton 3.9 removed), so one source runs in the
+interpreter (TRITON_INTERPRET=1) and compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MASKED = -1.0e6  # after scaling; exp2(MASKED - m) == 0 in float32 for any reachable m
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+              start, end, n_keys, qk_scale,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASK:
+            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
+        if MASK:
+            visible = offs_n[None, :] < n_keys
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(visible, s, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < n_keys, other=0.0)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+        # P is cast to V's dtype before the second matmul (FA2): bf16/fp16 tensor-core inputs.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, O, L,
+    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
+    n_queries, n_keys, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = offs_m[:, None] < n_queries
+    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_vb
+
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Keys this query tile can see: all, or (causal) those j <= the tile's last query.
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N  # every query in the tile sees these
+    else:
+        hi = n_keys
+        full_end = n_keys // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+
+    o = acc / l_i[:, None]
+    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
+    # natural-log logsumexp: ln(2) * (m2 + log2(l))
+    tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
+
+
+@triton.jit
+def flash_bwd_preprocess_kernel(
+    O, DO, Dvec, stride_ob, stride_on, stride_dob, stride_don, n_queries,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (cdiv(Nq, BLOCK_M), BH).  D = rowsum(O * dO) in float32."""
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < n_queries
+    o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows, other=0.0)
+    d = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Dvec + bh * n_queries + offs_m, d, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
+               start, end, n_queries, n_keys, qk_scale,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + offs_m0
+        if MASK:
+            rows = offs_m < n_queries
+            qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], mask=rows[None, :], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
+            lse = tl.load(l_base + offs_m, mask=rows, other=0.0)
+            delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
+        else:
+            qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None])  # (d, BLOCK_M)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :])  # (BLOCK_M, d)
+            lse = tl.load(l_base + offs_m)
+            delta = tl.load(d_base + offs_m)
+        # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M); lse is in natural-log units -> base 2
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
+        if MASK:
+            visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
+            if CAUSAL:
+                visible = visible & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(visible, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(
+    Q, K, V, DO, L, Dvec, DK, DV,
+    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
+    stride_dkb, stride_dkn, stride_dvb, stride_dvn,
+    n_queries, n_keys, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    cols = offs_n[:, None] < n_keys
+    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=cols, other=0.0)
+    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=cols, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_base = Q + bh * stride_qb
+    do_base = DO + bh * stride_dob
+    l_base = L + bh * n_queries
+    d_base = Dvec + bh * n_queries
+
+    if CAUSAL:
+        # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
+        # last key see all of them; only the band in between needs the causal mask.
+        lo = start_n // BLOCK_M * BLOCK_M
+        band_end = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, n_queries)
+    else:
+        lo = 0
+        band_end = 0
+    full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
+    if CAUSAL:
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION)
+    # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
+    if start_n + BLOCK_N <= n_keys:
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
+                            PRECISION)
+    else:
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                            PRECISION)
+    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                        stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                        PRECISION)
+
+    tl.store(DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=cols)
+    tl.store(DV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=cols)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+             start, end, n_keys, qk_scale,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ (unscaled) for one query tile over key tiles [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASK:
+            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+            vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+        else:
+            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
+            vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
+        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            visible = offs_n[None, :] < n_keys
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def flash_bwd_dq_kernel(
+    Q, K, V, DO, L, Dvec, DQ,
+    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
+    stride_dqb, stride_dqn,
+    n_queries, n_keys, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < n_queries
+    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
+    do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
+    lse2 = tl.load(L + bh * n_queries + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+    delta = tl.load(Dvec + bh * n_queries + offs_m, mask=rows, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_vb
+
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_keys
+        full_end = n_keys // BLOCK_N * BLOCK_N
+    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                  0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
+    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                  full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+    tl.store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])

@@ -1,0 +1,138 @@
+"""FlashAttention-2 in Triton: properties against float64, compile-friendliness, memory, bad inputs.
+
+On CPU the kernels run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there
+is no GPU): fp32 and fp16 only, because the interpreter's bf16 tl.dot is wrong.  GPU-marked tests run
+bf16/fp16/fp32 at larger sizes and torch.compile(fullgraph=True).
+"""
+
+import pytest
+import torch
+from attention_reference import assert_flash_accuracy, random_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cs336_systems import attention
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import FlashAttentionTriton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _apply(q, k, v, causal):
+    return FlashAttentionTriton.apply(q, k, v, causal)
+
+
+# The interpreter runs every program in Python: keep B*H small so the whole file stays ~1 minute.
+@settings(max_examples=20, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2,), (1, 2), (2, 1, 1)]),
+    nq=st.integers(1, 150),
+    nk=st.integers(1, 150),
+    d=st.sampled_from([16, 32, 64]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
+    q, k, v = random_qkv(lead, nq, nk, d, dtype, DEVICE, seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_head_dim_128(is_causal):
+    q, k, v = random_qkv((2,), 97, 65, 128, torch.float32, DEVICE, seed=128)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+def test_registry_entry_and_non_contiguous_inputs():
+    assert attention.get("flash-triton").available(torch.device(DEVICE))
+    base = torch.randn(2, 40, 3, 32, device=DEVICE)  # (B, N, H, d) -> transposed view (B, H, N, d)
+    q = base.transpose(1, 2)
+    out = attention.attention(q, q, q, is_causal=True, impl="flash-triton")
+    torch.testing.assert_close(out, attention.attention(q, q, q, is_causal=True, impl="naive"), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "shapes_dtypes, match",
+    [
+        (((1, 8, 32), (1, 8, 16), (1, 8, 16), torch.float32), r"head dim d must match"),
+        (((2, 8, 32), (3, 8, 32), (3, 8, 32), torch.float32), r"leading \(batch/head\) dims must match"),
+        (((1, 8, 32), (1, 8, 32), (1, 9, 32), torch.float32), r"k and v must have the same length"),
+        (((1, 8, 24), (1, 8, 24), (1, 8, 24), torch.float32), r"supports head dims .* got d=24"),
+        (((1, 8, 32), (1, 8, 32), (1, 8, 32), torch.float64), r"supports float32, bfloat16, float16; got dtype torch.float64"),
+    ],
+)
+def test_bad_inputs_raise_value_error(shapes_dtypes, match):
+    *shapes, dtype = shapes_dtypes
+    q, k, v = (torch.randn(s, device=DEVICE, dtype=dtype) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionTriton.apply(q, k, v, False)
+
+
+def test_integer_and_mixed_device_inputs_raise():
+    x = torch.randn(1, 8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="q must be a floating-point tensor, got dtype torch.int64"):
+        FlashAttentionTriton.apply(torch.ones(1, 8, 32, dtype=torch.long, device=DEVICE), x, x, False)
+    with pytest.raises(ValueError, match="q, k, v must be on one device"):
+        FlashAttentionTriton.apply(x, x.to("meta"), x, False)
+
+
+def test_cpu_without_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match="flash-triton needs CUDA tensors .* TRITON_INTERPRET=1"):
+        FlashAttentionTriton.apply(x, x, x, False)
+    assert not flash_triton.available(torch.device("cpu"))
+
+
+# --- GPU only --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2, 3), (1, 16)]),
+    nq=st.sampled_from([1, 17, 128, 257, 1000, 4096]),
+    nk=st.sampled_from([1, 63, 128, 511, 1025, 4096]),
+    d=st.sampled_from([16, 32, 64, 128]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
+    q, k, v = random_qkv(lead, nq, nk, d, dtype, "cuda", seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_compiles_fullgraph_forward_and_backward(is_causal):
+    torch._dynamo.reset()
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    q, k, v = random_qkv((2, 4), 300, 300, 64, torch.bfloat16, "cuda", seed=7)
+    out = compiled(q, k, v, is_causal)
+    out.backward(torch.ones_like(out))
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = FlashAttentionTriton.apply(*eager, is_causal)
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(out, ref)
+    for a, b in zip((q, k, v), eager):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_grows_linearly_in_n():
+    peaks = {}
+    for n in (4096, 8192, 16384):
+        torch.cuda.empty_cache()
+        q, k, v = random_qkv((1, 8), n, n, 64, torch.bfloat16, "cuda", seed=n)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peaks[n] = torch.cuda.max_memory_allocated() - base
+        del q, k, v, out
+    # Linear: doubling N at most ~doubles the extra memory (quadratic would quadruple it).
+    assert peaks[8192] <= 2.2 * peaks[4096] and peaks[16384] <= 2.2 * peaks[8192], peaks
