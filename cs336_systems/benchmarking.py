@@ -9,8 +9,11 @@ Every measurement in this package goes through here, so the rules hold everywher
 * Python's cyclic garbage collector is run once before warm-up and paused until the last measured
   round (as `timeit` does): a full collection over the object graph that torch.compile and autograd
   leave behind takes tens of milliseconds and would land at random in launch-bound steps;
-* CUDA out-of-memory (while building the workload, warming up or measuring) becomes a `Measurement`
-  with ``status="oom"`` and the memory is released so the next case can run.
+* work that must happen before each round but is not what is measured (the forward pass before a timed
+  backward, an L2 cache flush) runs in a per-round hook *outside* the timed interval: the hook runs,
+  then the clock's sync drains its queued device work, and only then is the start time read;
+* CUDA out-of-memory (while building the workload, in a per-round hook, warming up or measuring)
+  becomes a `Measurement` with ``status="oom"`` and the memory is released so the next case can run.
 
 Two front ends share these steps:
   `measure(setup, ...)`          times the rounds itself (scripts, profiling, anything outside pytest);
@@ -19,6 +22,12 @@ Two front ends share these steps:
 
 ``setup`` is a zero-argument callable returning the zero-argument step to time; building the workload
 inside the harness is what lets an OOM during model construction become a result too.
+
+Per-round hooks, run in this order before every warm-up and measured round, never timed:
+  ``step.before_each()``   if the step has one: the workload's own preparation, which needs the objects
+                           ``setup`` built (e.g. run the forward pass whose backward the step times);
+  ``before_each()``        the caller's hook, independent of the workload (e.g. `L2Flush`), last so
+                           that it sits right before the timed region.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from dataclasses import dataclass
 import torch
 
 Step = Callable[[], object]
+Hook = Callable[[], object]
+
+L2_FLUSH_BYTES = 256 * 2**20  # triton.testing.do_bench's cache-clearing buffer; > any GPU's L2 today
 
 
 def synchronize(device: torch.device | str | None) -> None:
@@ -174,6 +186,41 @@ def gc_paused():
             gc.enable()
 
 
+class L2Flush:
+    """A per-round hook that zeroes an ``nbytes`` buffer, evicting the inputs from the device's caches.
+
+    Pass it as ``before_each`` so every measured round starts with a cold L2, as
+    ``triton.testing.do_bench`` does.  The buffer is allocated on the first call (inside the harness, so
+    an OOM there is recorded) and kept: it counts in the case's peak memory.
+    """
+
+    def __init__(self, device: torch.device | str | None, nbytes: int = L2_FLUSH_BYTES) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.buffer.zero_()
+
+
+def _round_hook(step: Step, before_each: Hook | None) -> Callable[[], None] | None:
+    """The hooks to run before each round (step's own first, then the caller's), as one OOM-guarded call."""
+    hooks = [h for h in (getattr(step, "before_each", None), before_each) if h is not None]
+    if not hooks:
+        return None
+    for hook in hooks:
+        if not callable(hook):
+            raise TypeError(f"before_each must be callable, got {type(hook).__name__}")
+
+    def run() -> None:  # returns None: pytest-benchmark would take a returned value as the step's args
+        for hook in hooks:
+            _guard_oom(hook)
+
+    return run
+
+
 def _guard_oom(call: Callable[[], object]) -> object:
     """Run ``call``; re-raise an OOM as _OutOfMemory *without* its traceback (which pins the tensors)."""
     try:
@@ -185,18 +232,26 @@ def _guard_oom(call: Callable[[], object]) -> object:
     raise _OutOfMemory(message)
 
 
-def _prepare(setup: Callable[[], Step], warmup: int, clock: SynchronizedClock, device) -> Step:
-    """Build the step and run the warm-up rounds (timed by nobody), then reset the peak counter."""
+def _prepare(
+    setup: Callable[[], Step], warmup: int, clock: SynchronizedClock, device, before_each: Hook | None
+) -> tuple[Step, Callable[[], None] | None]:
+    """Build the step and run the warm-up rounds (timed by nobody), then reset the peak counter.
+
+    Returns the step and its per-round hook (None if there is none).
+    """
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     step = _guard_oom(setup)
     if not callable(step):
         raise TypeError(f"setup must return a callable step, got {type(step).__name__}")
+    hook = _round_hook(step, before_each)
     for _ in range(warmup):
+        if hook is not None:
+            hook()
         _guard_oom(step)
     clock()  # drain the queue: warm-up work must not leak into the first measured round
     reset_peak_memory(device)
-    return step
+    return step, hook
 
 
 def measure(
@@ -206,23 +261,31 @@ def measure(
     rounds: int = 10,
     device: torch.device | str | None = None,
     clock: SynchronizedClock | None = None,
+    before_each: Hook | None = None,
 ) -> Measurement:
-    """Build the step with ``setup()``, run ``warmup`` uncounted rounds, then time ``rounds`` rounds."""
+    """Build the step with ``setup()``, run ``warmup`` uncounted rounds, then time ``rounds`` rounds.
+
+    ``before_each`` (and the step's own ``before_each``, if any) runs before every round, untimed.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     clock = clock or SynchronizedClock(device)
+    step = hook = None
     try:
         with gc_paused():
-            step = _prepare(setup, warmup, clock, device)
+            step, hook = _prepare(setup, warmup, clock, device, before_each)
             times = []
             for _ in range(rounds):
-                start = clock()
+                if hook is not None:
+                    hook()
+                start = clock()  # syncs first: the hook's queued device work finishes before this read
                 _guard_oom(step)
                 times.append(clock() - start)
     except _OutOfMemory as oom:
         error = str(oom)
+        step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
     else:
-        del step
+        del step, hook
         return Measurement("ok", warmup, tuple(times), peak_memory_bytes(device))
     free_memory(device)
     return Measurement("oom", warmup, error=error)
@@ -236,6 +299,7 @@ def run_pytest_benchmark(
     rounds: int,
     device: torch.device | str | None = None,
     clock: SynchronizedClock | None = None,
+    before_each: Hook | None = None,
 ) -> Measurement:
     """Time a step with pytest-benchmark's ``benchmark`` fixture, under this harness's rules.
 
@@ -243,21 +307,27 @@ def run_pytest_benchmark(
     SynchronizedClock makes every clock read wait for the device (a test pins this behaviour, because
     the attribute is pytest-benchmark's own).  Warm-up is run here rather than through pedantic's
     ``warmup_rounds`` so that an OOM there is caught like any other and peak memory covers only the
-    measured rounds.  On OOM nothing is recorded in pytest-benchmark's stats (an OOM has no time);
-    the caller records the returned Measurement instead.
+    measured rounds.  The per-round hooks (``before_each``, see the module docstring) go to pedantic's
+    ``setup``, which pytest-benchmark calls before it reads the timer for the round.  On OOM nothing is
+    recorded in pytest-benchmark's stats (an OOM has no time); the caller records the returned
+    Measurement instead.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     clock = clock or SynchronizedClock(device)
+    step = hook = None
     try:
         with gc_paused():
-            step = _prepare(setup, warmup, clock, device)
+            step, hook = _prepare(setup, warmup, clock, device, before_each)
             benchmark._timer = clock
-            benchmark.pedantic(lambda: _guard_oom(step), rounds=rounds, iterations=1, warmup_rounds=0)
+            benchmark.pedantic(
+                lambda: _guard_oom(step), setup=hook, rounds=rounds, iterations=1, warmup_rounds=0
+            )
     except _OutOfMemory as oom:
         error = str(oom)
+        step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
     else:
-        del step
+        del step, hook
         times = tuple(benchmark.stats.stats.data) if benchmark.stats is not None else ()
         return Measurement("ok", warmup, times, peak_memory_bytes(device))
     free_memory(device)

@@ -17,7 +17,8 @@ Layout::
     }
 
 A grid maps axis names to lists of values (``"sizes": ["small", "xl"]``) and settings to scalars
-(``"warmup": 5``).  A profile's cases are the union of its grids' products, duplicates removed, in
+(``"warmup": 5``).  A nullable axis takes ``null`` as one of its values (``"heads": [null]``: no heads
+dimension).  A profile's cases are the union of its grids' products, duplicates removed, in
 file order.  Every suite declares its schema in SUITE_SCHEMAS: an unknown suite, profile, key or a bad
 value raises `MatrixError` naming where it is (``suites.end_to_end.profiles.gpu[1].sizes[2]``).
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cs336_systems.amp import PRECISIONS
+from cs336_systems.attention_workloads import DTYPES as ATTENTION_DTYPES
+from cs336_systems.attention_workloads import MODES as ATTENTION_MODES
 from cs336_systems.model import SIZES
 from cs336_systems.workloads import MODES as LM_MODES
 
@@ -71,6 +74,15 @@ def _string(value: object, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise MatrixError(f"{where}: expected a non-empty string, got {value!r}")
     return value
+
+
+def _optional(check: Validator) -> Validator:
+    """``check``, or None (JSON null) meaning "absent" (e.g. no heads dimension)."""
+
+    def nullable(value: object, where: str) -> object:
+        return None if value is None else check(value, where)
+
+    return nullable
 
 
 def _one_of(valid: Callable[[], list[str]] | tuple[str, ...]) -> Validator:
@@ -115,9 +127,33 @@ _LM_GRID = {
 # The warm-up study reuses the LM grid but sweeps the number of warm-up rounds.
 _WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
 
+# Attention alone (cs336_systems.attention_workloads): q, k, v of shape (B, N, d), or (B, H, N, d) when
+# "heads" is a number; Nq = Nk = N.  "compile" wraps the registered function in
+# torch.compile(fullgraph=True); "flush_l2" zeroes a 256 MiB buffer before every round (untimed), as
+# triton.testing.do_bench does.  The attention, flash and leaderboard suites share this schema and differ
+# in their values (benchmarks.json).
+_ATTENTION_GRID = {
+    "impls": Key(_one_of(_attention_names), axis=True),
+    "batch_sizes": Key(_positive_int, axis=True),
+    "heads": Key(_optional(_positive_int), axis=True, required=False, default=[None]),
+    "seq_lens": Key(_positive_int, axis=True),
+    "head_dims": Key(_positive_int, axis=True),
+    "dtypes": Key(_one_of(ATTENTION_DTYPES), axis=True),
+    "causal": Key(_boolean, axis=True),
+    "modes": Key(_one_of(ATTENTION_MODES), axis=True),
+    "compile": Key(_boolean, axis=True, required=False, default=[False]),
+    "flush_l2": Key(_boolean, axis=False, required=False, default=False),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
 SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
     "end_to_end": _LM_GRID,
     "warmup_study": _WARMUP_GRID,
+    "attention": _ATTENTION_GRID,
+    "flash": _ATTENTION_GRID,
+    "leaderboard": _ATTENTION_GRID,
 }
 
 # Axis key (plural, in the JSON) -> case field (singular, in the expanded case).
@@ -130,6 +166,12 @@ _SINGULAR = {
     "compile": "compile",
     "attention": "attention",
     "warmup": "warmup",
+    "impls": "impl",
+    "heads": "heads",
+    "seq_lens": "seq_len",
+    "head_dims": "head_dim",
+    "dtypes": "dtype",
+    "causal": "causal",
 }
 
 

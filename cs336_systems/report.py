@@ -11,6 +11,14 @@ Tables for the end-to-end suites:
     tokens/s and peak memory of the train step; OOM cells say OOM;
   * fp32 vs bf16, eager vs compiled and naive vs sdpa attention: same-run medians and speedup;
   * the warm-up study: mean +- std per number of warm-up steps.
+
+Tables for the attention suites (median ms: the statistic triton.testing.do_bench reports):
+  * attention sweep: d x N rows, per implementation forward ms, backward ms and the memory in use
+    before backward; OOM cells say OOM;
+  * flash sweep: per (dtype, mode) N x d rows, per implementation ms and TFLOP/s, and the speedup of
+    flash-triton over each baseline (baseline ms / flash-triton ms, both from the same run);
+  * leaderboard: ms and TFLOP/s per implementation and mode, and the time relative to SDPA's
+    FlashAttention-2 and cuDNN kernels measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +31,13 @@ from pathlib import Path
 from cs336_systems.machine import COMPARABLE_FIELDS
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
+ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2")
 MODE_ORDER = ("forward", "forward-backward", "train-step")
+ATTENTION_MODE_ORDER = ("forward", "backward", "forward-backward")
+IMPL_ORDER = ("naive", "naive-compiled", "flash-pytorch", "flash-triton", "sdpa", "sdpa-flash", "sdpa-cudnn",
+              "sdpa-efficient")
+CONTENDER = "flash-triton"  # the implementation the flash sweep's speedup columns are about
+LEADERBOARD_BASELINES = ("sdpa-flash", "sdpa-cudnn")
 SIZE_ORDER = ("tiny", "small", "medium", "large", "xl", "2.7B")
 
 
@@ -47,7 +61,7 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
 
 
 def _key(entry: dict) -> tuple:
-    return (entry.get("test"),) + tuple(entry.get(f) for f in (*LM_FIELDS, "warmup"))
+    return (entry.get("test"),) + tuple(entry.get(f) for f in (*LM_FIELDS, "warmup", *ATTENTION_FIELDS))
 
 
 def _order(entry: dict) -> tuple:
@@ -164,6 +178,146 @@ def warmup_table(entries: list[dict]) -> str:
     return "### Warm-up study\n\n" + _table(header, rows)
 
 
+# --- attention suites ----------------------------------------------------------------------------------
+
+
+def _impls(entries: list[dict]) -> list[str]:
+    names = {e.get("impl") for e in entries}
+    known = [n for n in IMPL_ORDER if n in names]
+    return known + sorted(n for n in names if n not in IMPL_ORDER)
+
+
+def _impl_label(impl: str, compiled) -> str:
+    return f"{impl} (compiled)" if compiled else impl
+
+
+def _cell_median(entry: dict | None) -> str:
+    """Median ms, OOM, or '-' (not run, skipped: no kernel / not available)."""
+    if entry is None:
+        return "-"
+    if entry.get("status") == "oom":
+        return "OOM"
+    ms = _ms(entry)
+    if ms is None:
+        return "-"
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}"
+
+
+def _fmt_rate(value: float | None) -> str:
+    """TFLOP/s: one decimal on a GPU (312.4), significant digits for the tiny CPU rates (0.00514)."""
+    if value is None:
+        return "-"
+    return format(value, ".1f") if value >= 10 else format(value, ".3g")
+
+
+def _ok(entry: dict | None, field: str):
+    return entry.get(field) if entry is not None and entry.get("status") == "ok" else None
+
+
+def _variants(entries: list[dict], fields: tuple[str, ...]) -> list[tuple]:
+    return sorted({tuple(e.get(f) for f in fields) for e in entries}, key=str)
+
+
+def attention_sweep_tables(entries: list[dict]) -> str:
+    """The handout's attention sweep: d x N rows; forward ms, backward ms, memory before backward per impl."""
+    sweep = [e for e in entries if e.get("test") == "test_attention"]
+    out = []
+    fields = ("dtype", "causal", "batch_size", "heads", "compile")
+    for variant in _variants(sweep, fields):
+        subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
+        dtype, causal, batch, heads, compiled = variant
+        impls = _impls(subset)
+        cells = {(e["impl"], e["head_dim"], e["seq_len"], e["mode"]): e for e in subset}
+        header = ["d", "N"]
+        for impl in impls:
+            label = _impl_label(impl, compiled)
+            header += [f"{label} forward ms", f"{label} backward ms", f"{label} memory before backward GiB"]
+        rows = []
+        for d, n in sorted({(e["head_dim"], e["seq_len"]) for e in subset}):
+            row = [str(d), str(n)]
+            for impl in impls:
+                backward = cells.get((impl, d, n, "backward"))
+                memory = backward.get("memory_before_backward_gib") if backward is not None else None
+                if memory is not None:
+                    memory_cell = f"{memory:.2f}"
+                else:  # a forward that ran out of memory leaves nothing in use to report
+                    memory_cell = "OOM" if backward is not None and backward.get("status") == "oom" else "-"
+                row += [_cell_median(cells.get((impl, d, n, "forward"))), _cell_median(backward), memory_cell]
+            rows.append(row)
+        shape = f"B={batch}" + (f", H={heads}" if heads else "")
+        title = f"### Attention sweep: {dtype}, {'causal' if causal else 'not causal'}, {shape}"
+        out.append(title + " (median ms; memory in use after the forward, before backward)\n\n"
+                   + _table(header, rows))
+    return "\n\n".join(out)
+
+
+def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
+    """Per (dtype, mode): N x d rows, ms and TFLOP/s per impl, speedup of ``contender`` over each baseline."""
+    sweep = [e for e in entries if e.get("test") == "test_flash"]
+    out = []
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile")
+    variants = sorted(
+        _variants(sweep, fields),
+        key=lambda v: (str(v[0]), ATTENTION_MODE_ORDER.index(v[1]) if v[1] in ATTENTION_MODE_ORDER else 9, str(v)),
+    )
+    for variant in variants:
+        subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
+        dtype, mode, causal, batch, heads, compiled = variant
+        impls = _impls(subset)
+        baselines = [i for i in impls if i != contender] if contender in impls else []
+        cells = {(e["impl"], e["seq_len"], e["head_dim"]): e for e in subset}
+        header = ["N", "d"]
+        for impl in impls:
+            header += [f"{_impl_label(impl, compiled)} ms", f"{_impl_label(impl, compiled)} TFLOP/s"]
+        header += [f"{contender} speedup vs {b}" for b in baselines]
+        rows = []
+        for n, d in sorted({(e["seq_len"], e["head_dim"]) for e in subset}):
+            row = [str(n), str(d)]
+            for impl in impls:
+                entry = cells.get((impl, n, d))
+                row += [_cell_median(entry), _fmt_rate(_ok(entry, "tflops"))]
+            ours = _ms(cells.get((contender, n, d)))
+            for base in baselines:
+                theirs = _ms(cells.get((base, n, d)))
+                row.append(f"{theirs / ours:.2f}x" if ours and theirs else "-")
+            rows.append(row)
+        shape = f"B={batch}" + (f", H={heads}" if heads else "")
+        title = f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
+        out.append(title + " (median ms)\n\n" + _table(header, rows))
+    return "\n\n".join(out)
+
+
+def leaderboard_table(entries: list[dict], baselines: tuple[str, ...] = LEADERBOARD_BASELINES) -> str:
+    """Per mode and implementation: median ms, TFLOP/s, and time relative to each baseline, same run."""
+    board = [e for e in entries if e.get("test") == "test_leaderboard"]
+    if not board:
+        return ""
+    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2")
+    out = []
+    for shape in _variants(board, shape_fields):
+        subset = [e for e in board if tuple(e.get(f) for f in shape_fields) == shape]
+        header = ["mode", "implementation", "median ms", "TFLOP/s", "max rel. error"]
+        header += [f"time ÷ {b}" for b in baselines]
+        rows = []
+        modes = sorted({e["mode"] for e in subset},
+                       key=lambda m: ATTENTION_MODE_ORDER.index(m) if m in ATTENTION_MODE_ORDER else 9)
+        for mode in modes:
+            in_mode = [e for e in subset if e["mode"] == mode]
+            reference = {b: _ms(next((e for e in in_mode if e["impl"] == b and not e.get("compile")), None))
+                         for b in baselines}
+            order = {impl: i for i, impl in enumerate(_impls(in_mode))}
+            for e in sorted(in_mode, key=lambda e: (order[e["impl"]], bool(e.get("compile")))):
+                ms = _ms(e)
+                ratios = [f"{ms / reference[b]:.2f}" if ms and reference[b] else "-" for b in baselines]
+                rows.append([mode, _impl_label(e["impl"], e.get("compile")), _cell_median(e),
+                             _fmt_rate(_ok(e, "tflops")), _fmt(_ok(e, "accuracy_error"), ".1e"), *ratios])
+        batch, heads, n, d, dtype, causal, flush = shape
+        title = (f"### Leaderboard: B={batch}, H={heads}, N={n}, d={d}, {dtype}, "
+                 f"{'causal' if causal else 'not causal'}" + (", L2 flushed before every round" if flush else ""))
+        out.append(title + "\n\n" + _table(header, rows))
+    return "\n\n".join(out)
+
+
 def machine_section(machines: list[dict]) -> str:
     rows = [[m.get("file", "")] + [str(m.get(f)) for f in (*COMPARABLE_FIELDS, "driver", "cudnn")] for m in machines]
     return _table(["run", *COMPARABLE_FIELDS, "driver", "cudnn"], rows)
@@ -181,6 +335,9 @@ def render(paths: list[str | Path]) -> str:
         comparison_table(entries, "compile", False, True, "eager vs torch.compile"),
         comparison_table(entries, "attention", "naive", "sdpa", "naive vs SDPA attention"),
         warmup_table(entries),
+        attention_sweep_tables(entries),
+        flash_tables(entries),
+        leaderboard_table(entries),
     ]
     return "\n\n".join(s for s in sections if s) + "\n"
 

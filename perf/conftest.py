@@ -7,7 +7,11 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
 * runs warm-up and measured rounds through `cs336_systems.benchmarking.run_pytest_benchmark`
   (synchronizing clock, peak memory after warm-up, OOM capture), so a case cannot forget to sync;
 * records the case, status, peak memory and derived rates (tokens/s, TFLOP/s, MFU) in ``extra_info``,
-  which pytest-benchmark writes into its JSON (``--benchmark-autosave`` / ``--benchmark-json``);
+  which pytest-benchmark writes into its JSON (``--benchmark-autosave`` / ``--benchmark-json``), plus
+  whatever the workload put in the ``extra_info`` dict it was handed (accuracy error, memory before
+  backward: numbers the workload only knows once it has run);
+* zeroes a 256 MiB buffer before every round, outside the timed region, when the case says
+  ``"flush_l2": true`` (`benchmarking.L2Flush`: a cold L2 each round, as triton.testing.do_bench);
 * turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
   so reports show OOM cells and comparisons never treat a missing time as a speed-up.
 """
@@ -40,17 +44,29 @@ def _load_matrix(config: pytest.Config) -> matrix.Matrix:
     return config._cs336_matrix
 
 
+# Case field -> how it appears in a test id, in id order.  A case shows only the fields it has, so LM
+# ids (small-ctx128-b4-forward-bf16-eager-sdpa-w5) and attention ids
+# (naive-b8-n1024-d64-backward-fp32-full-eager-w5) share one table.
+_ID_FORMAT = (
+    ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
+    ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
+    ("causal", None), ("compile", None), ("attention", "{}"), ("warmup", "w{}"), ("flush_l2", None),
+)
+
+
 def case_id(case: dict) -> str:
     """Readable, stable test id: values joined in a fixed order (e.g. small-ctx128-b4-forward-bf16-eager)."""
     parts = []
-    for key, fmt in (
-        ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("mode", "{}"),
-        ("precision", "{}"), ("compile", None), ("attention", "{}"), ("warmup", "w{}"),
-    ):
-        if key not in case:
+    for key, fmt in _ID_FORMAT:
+        if key not in case or case[key] is None:  # heads=None: no heads dimension
             continue
         if key == "compile":
             parts.append("compiled" if case[key] else "eager")
+        elif key == "causal":
+            parts.append("causal" if case[key] else "full")
+        elif key == "flush_l2":
+            if case[key]:
+                parts.append("l2flush")
         else:
             parts.append(fmt.format(case[key]))
     return "-".join(parts)
@@ -88,19 +104,26 @@ def _peak_for(precision: str, peak_override: float | None) -> float | None:
 
 @pytest.fixture
 def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
-    """``bench(setup, *, case, flops=None, tokens=None) -> Measurement``; see the module docstring."""
+    """``bench(setup, *, case, flops_per_step=None, tokens=None, extra_info=None) -> Measurement``.
 
-    def run(setup, *, case: dict, flops_per_step: float | None = None, tokens: int | None = None):
+    ``extra_info`` is a dict the workload fills while it runs; it is merged into the benchmark's
+    extra_info (and into the OOM record) after the run.  See the module docstring.
+    """
+
+    def run(setup, *, case: dict, flops_per_step: float | None = None, tokens: int | None = None,
+            extra_info: dict | None = None):
         benchmark.extra_info.update(case)
         benchmark.extra_info["device"] = str(perf_device)
         result = benchmarking.run_pytest_benchmark(
-            benchmark, setup, warmup=case["warmup"], rounds=case["rounds"], device=perf_device
+            benchmark, setup, warmup=case["warmup"], rounds=case["rounds"], device=perf_device,
+            before_each=benchmarking.L2Flush(perf_device) if case.get("flush_l2") else None,
         )
         benchmark.extra_info["status"] = result.status
+        benchmark.extra_info.update(extra_info or {})
         if not result.ok:
             request.config.stash[OOM_KEY].append(
-                {"name": request.node.name, "fullname": request.node.nodeid, "extra_info": dict(case),
-                 "error": result.error}
+                {"name": request.node.name, "fullname": request.node.nodeid,
+                 "extra_info": {**case, **(extra_info or {})}, "error": result.error}
             )
             pytest.skip(f"OOM (recorded in the saved JSON): {result.error}")
         if result.stats is None:  # --benchmark-disable: the step ran once as a smoke test, untimed
@@ -111,7 +134,9 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         if tokens is not None:
             benchmark.extra_info["tokens_per_s"] = tokens / median
         if flops_per_step is not None:
-            peak = _peak_for(case.get("precision", "fp32"), request.config.getoption("--peak-tflops"))
+            # LM cases name an autocast "precision", attention cases the inputs' "dtype".
+            precision = case.get("precision", case.get("dtype", "fp32"))
+            peak = _peak_for(precision, request.config.getoption("--peak-tflops"))
             benchmark.extra_info["flops_per_step"] = flops_per_step
             benchmark.extra_info["tflops"] = flops_per_step / median / 1e12
             benchmark.extra_info["peak_tflops"] = peak

@@ -131,6 +131,77 @@ def test_bad_arguments():
         measure(lambda: 3, warmup=0, rounds=1)
 
 
+class FakeBackwardStep:
+    """A step with its own per-round preparation (like a timed backward needing an untimed forward)."""
+
+    def __init__(self, dev, prepare_seconds=50.0):
+        self.dev = dev
+        self.prepare_seconds = prepare_seconds
+        self.prepared = False
+
+    def before_each(self):
+        self.dev.events.append("prepare")
+        self.dev.pending += self.prepare_seconds
+        self.prepared = True
+
+    def __call__(self):
+        assert self.prepared, "step ran without its before_each"
+        self.prepared = False
+        self.dev.step()
+
+
+def timed_intervals(events):
+    """The events between each (start read, end read) pair of the measured rounds."""
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    # the first read drains warm-up; then reads come in (start, end) pairs
+    return [events[a + 1:b] for a, b in zip(reads[1::2], reads[2::2])]
+
+
+def test_before_each_runs_every_round_but_is_never_timed():
+    dev = FakeDevice(step_seconds=0.25)
+
+    def flush():
+        dev.events.append("flush")
+        dev.pending += 100.0  # queued device work, as zeroing a cache-flush buffer is
+
+    result = measure(lambda: dev.step, warmup=2, rounds=4, clock=dev.harness_clock(), before_each=flush)
+    assert result.times_s == (0.25,) * 4  # 100 s of hook work queued before each round, none timed
+    assert dev.events.count("flush") == 6 and dev.events.count("step") == 6
+    assert_every_read_follows_a_sync(dev.events)
+    intervals = timed_intervals(dev.events)
+    assert len(intervals) == 4
+    assert all(interval == ["step", "sync"] for interval in intervals)
+
+
+def test_step_before_each_runs_first_then_the_callers_hook():
+    dev = FakeDevice(step_seconds=0.25)
+    step = FakeBackwardStep(dev)
+    result = measure(lambda: step, warmup=1, rounds=3, clock=dev.harness_clock(),
+                     before_each=lambda: dev.events.append("flush"))
+    assert result.ok and result.times_s == (0.25,) * 3
+    warmup, drain = ["prepare", "flush", "step"], ["sync", "read"]
+    measured = ["prepare", "flush", "sync", "read", "step", "sync", "read"]
+    assert dev.events == warmup + drain + measured * 3
+
+
+def test_oom_in_before_each_is_a_result_and_bad_hooks_are_rejected():
+    def hook():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    result = measure(lambda: (lambda: None), warmup=0, rounds=2, before_each=hook)
+    assert result.status == "oom" and "out of memory" in result.error
+    with pytest.raises(TypeError, match="before_each must be callable"):
+        measure(lambda: (lambda: None), warmup=0, rounds=1, before_each=3)
+
+
+def test_l2_flush_zeroes_a_buffer_of_the_given_size():
+    flush = benchmarking.L2Flush("cpu", nbytes=1024)
+    assert flush.buffer is None  # allocated inside the harness, on the first round
+    assert measure(lambda: (lambda: None), warmup=1, rounds=2, before_each=flush).ok
+    assert flush.buffer.numel() == 1024 and not flush.buffer.any()
+    assert benchmarking.L2Flush("cpu").nbytes == 256 * 2**20
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.floats(1e-6, 10.0), min_size=2, max_size=40))
 def test_stats_match_numpy(times):

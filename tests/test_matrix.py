@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cs336_systems import matrix
 from cs336_systems.matrix import MatrixError
@@ -106,3 +107,111 @@ def test_unknown_suite_or_profile_in_cases(data):
         m.cases("nope", "cpu")
     with pytest.raises(ValueError, match="unknown profile 'laptop'"):
         m.cases("end_to_end", "laptop")
+
+
+# --- attention suites -------------------------------------------------------------------------------
+
+
+ATTENTION_SUITES = ("attention", "flash", "leaderboard")
+
+
+def test_attention_cpu_profiles_use_only_cpu_implementations(data):
+    from cs336_systems import attention
+
+    m = matrix.parse(data)
+    for suite in ATTENTION_SUITES:
+        cases = m.cases(suite, "cpu")
+        assert cases, f"{suite} has no cpu cases"
+        for case in cases:
+            assert attention.get(case["impl"]).available(torch.device("cpu")), case
+            assert case["seq_len"] <= 256 and case["rounds"] <= 5, f"cpu case too big for CI: {case}"
+
+
+def test_attention_gpu_profile_covers_the_handout_sweep(data):
+    cases = matrix.parse(data).cases("attention", "gpu")
+    covered = {
+        (c["impl"], c["head_dim"], c["seq_len"], c["mode"])
+        for c in cases
+        if c["batch_size"] == 8 and c["heads"] is None and c["dtype"] == "fp32" and not c["causal"]
+        and not c["compile"]
+    }
+    for impl in ("naive", "naive-compiled"):
+        for d in (16, 32, 64, 128):
+            for n in (256, 1024, 4096, 8192, 16384):
+                for mode in ("forward", "backward"):
+                    assert (impl, d, n, mode) in covered
+    full = matrix.parse(data).cases("attention", "full")
+    assert {c["causal"] for c in full} == {False, True}
+
+
+def test_flash_gpu_profile_covers_the_sweep(data):
+    cases = matrix.parse(data).cases("flash", "gpu")
+    covered = {(c["seq_len"], c["head_dim"], c["dtype"], c["mode"]) for c in cases
+               if c["batch_size"] == 1 and c["heads"] is None and c["causal"]}
+    for n in (2**k for k in range(7, 17)):
+        for d in (16, 32, 64, 128):
+            for dtype in ("bf16", "fp32"):
+                for mode in ("forward", "backward", "forward-backward"):
+                    assert (n, d, dtype, mode) in covered
+    bf16 = {c["impl"] for c in cases if c["dtype"] == "bf16"}
+    assert {"naive", "sdpa-flash", "sdpa-cudnn"} <= bf16
+
+
+def test_leaderboard_profile_is_the_leaderboard_shape(data):
+    cases = matrix.parse(data).cases("leaderboard", "gpu")
+    assert cases
+    for c in cases:
+        assert (c["batch_size"], c["heads"], c["seq_len"], c["head_dim"], c["dtype"], c["causal"]) == (
+            1, 16, 16384, 64, "bf16", True)
+        assert c["flush_l2"] is True
+    assert {"sdpa-flash", "sdpa-cudnn"} <= {c["impl"] for c in cases}
+    assert {c["mode"] for c in cases} == {"forward", "backward", "forward-backward"}
+
+
+def test_every_gpu_case_belongs_to_a_named_group(data):
+    m = matrix.parse(data)
+    for suite in m.suites:
+        for case in m.cases(suite, "gpu"):
+            assert case["group"] != "default", f"{suite}: a gpu case has no group (10-minute runs): {case}"
+
+
+def test_attention_grid_expands_with_defaults():
+    grid = {"impls": ["naive"], "batch_sizes": [2], "seq_lens": [8, 16], "head_dims": [4],
+            "dtypes": ["fp32"], "causal": [True], "modes": ["backward"], "warmup": 1, "rounds": 2}
+    data = {"suites": {"flash": {"profiles": {"cpu": [grid]}}}}
+    cases = matrix.parse(data).cases("flash", "cpu")
+    assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "seq_len": 8, "head_dim": 4,
+                        "dtype": "fp32", "causal": True, "mode": "backward", "compile": False,
+                        "flush_l2": False, "warmup": 1, "rounds": 2, "group": "default"}
+    assert [c["seq_len"] for c in cases] == [8, 16]
+    grid["heads"] = [None, 4]
+    assert [c["heads"] for c in matrix.parse(data).cases("flash", "cpu")] == [None, None, 4, 4]
+
+
+def _attention_grid(data, suite="flash"):
+    return data["suites"][suite]["profiles"]["gpu"][0]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _attention_grid(d).update(impls=["flashy"]),
+         r"flash\.profiles\.gpu\[0\]\.impls\[0\]: unknown value 'flashy'; valid: naive"),
+        (lambda d: _attention_grid(d).update(seq_len=[128]), r"flash\.profiles\.gpu\[0\]: unknown key 'seq_len'"),
+        (lambda d: _attention_grid(d).update(heads=[None, 0]), r"gpu\[0\]\.heads\[1\]: expected a positive integer"),
+        (lambda d: _attention_grid(d).update(dtypes=["fp8"]), r"gpu\[0\]\.dtypes\[0\]: unknown value 'fp8'"),
+        (lambda d: _attention_grid(d).update(modes=["train-step"]), r"gpu\[0\]\.modes\[0\]: unknown value 'train-step'"),
+        (lambda d: _attention_grid(d).update(causal=[1]), r"gpu\[0\]\.causal\[0\]: expected true or false"),
+        (lambda d: _attention_grid(d).update(flush_l2=[True]), r"gpu\[0\]\.flush_l2: expected true or false"),
+        (lambda d: _attention_grid(d).update(head_dims=[]), r"gpu\[0\]\.head_dims: expected a non-empty list"),
+        (lambda d: _attention_grid(d).pop("seq_lens"), r"gpu\[0\]: missing required key 'seq_lens'"),
+        (lambda d: _attention_grid(d, "leaderboard").update(compile=["yes"]),
+         r"leaderboard\.profiles\.gpu\[0\]\.compile\[0\]: expected true or false"),
+        (lambda d: _attention_grid(d, "attention").update(sizes=["small"]),
+         r"attention\.profiles\.gpu\[0\]: unknown key 'sizes'"),
+    ],
+)
+def test_malformed_attention_grids_name_the_problem(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)

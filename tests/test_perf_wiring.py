@@ -133,3 +133,126 @@ def test_same_machine_comparison_is_quiet(project):
     project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
     result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
     assert "COMPARING RUNS FROM DIFFERENT GPUS" not in result.stdout.str() + result.stderr.str()
+
+
+# --- per-round hooks and the attention suites ------------------------------------------------------------
+
+HOOK_TESTS = '''
+from cs336_systems import benchmarking
+
+RealClock = benchmarking.SynchronizedClock
+
+
+class FakeDevice:
+    """Queued work becomes visible to the clock only at a sync, as on a GPU."""
+
+    def __init__(self):
+        self.events, self.now, self.pending = [], 0.0, 0.0
+
+    def sync(self):
+        self.events.append("sync"); self.now += self.pending; self.pending = 0.0
+
+    def clock(self):
+        self.events.append("read"); return self.now
+
+    def queue(self, event, seconds):
+        self.events.append(event); self.pending += seconds
+
+
+class BackwardLikeStep:
+    def __init__(self, dev):
+        self.dev = dev
+
+    def before_each(self):  # the untimed forward
+        self.dev.queue("forward", 10.0)
+
+    def __call__(self):  # the timed backward
+        self.dev.queue("step", 0.5)
+
+
+WARMUP = ["forward", "flush", "step"]
+DRAIN = ["sync", "read"]
+ROUND = ["forward", "flush", "sync", "read", "step", "sync", "read"]
+
+
+def test_run_pytest_benchmark_never_times_before_each(benchmark):
+    dev = FakeDevice()
+    result = benchmarking.run_pytest_benchmark(
+        benchmark, lambda: BackwardLikeStep(dev), warmup=1, rounds=4,
+        clock=RealClock(sync=dev.sync, clock=dev.clock), before_each=lambda: dev.queue("flush", 100.0),
+    )
+    assert dev.events == WARMUP + DRAIN + ROUND * 4
+    assert list(benchmark.stats.stats.data) == [0.5] * 4 == list(result.times_s)
+
+
+def test_bench_flushes_l2_per_round_untimed(bench, benchmark, monkeypatch):
+    dev = FakeDevice()
+    monkeypatch.setattr(benchmarking, "SynchronizedClock",
+                        lambda device=None: RealClock(sync=dev.sync, clock=dev.clock))
+    monkeypatch.setattr(benchmarking, "L2Flush", lambda device: (lambda: dev.queue("flush", 100.0)))
+    metrics = {}
+
+    def setup():
+        metrics["accuracy_error"] = 0.0  # filled by the workload while it runs
+        return BackwardLikeStep(dev)
+
+    case = {"impl": "naive", "seq_len": 8, "head_dim": 4, "mode": "backward", "dtype": "fp32", "causal": True,
+            "flush_l2": True, "warmup": 1, "rounds": 3}
+    result = bench(setup, case=case, flops_per_step=8.0, extra_info=metrics)
+    assert dev.events == WARMUP + DRAIN + ROUND * 3
+    assert list(result.times_s) == [0.5] * 3
+    assert benchmark.extra_info["accuracy_error"] == 0.0 and benchmark.extra_info["tflops"] == 16.0 / 1e12
+'''
+
+ATTENTION_MATRIX = {
+    "suites": {
+        "attention": {"profiles": {"cpu": [
+            {"group": "att", "impls": ["naive", "sdpa-flash"], "batch_sizes": [2], "seq_lens": [16],
+             "head_dims": [8], "dtypes": ["fp32"], "causal": [False], "modes": ["forward", "backward"],
+             "warmup": 1, "rounds": 2}]}},
+        "flash": {"profiles": {"cpu": [
+            {"group": "fl", "impls": ["naive"], "batch_sizes": [1], "heads": [None, 2], "seq_lens": [16],
+             "head_dims": [8], "dtypes": ["bf16"], "causal": [True], "modes": ["forward-backward"],
+             "warmup": 0, "rounds": 2}]}},
+        "leaderboard": {"profiles": {"cpu": [
+            {"group": "lb", "impls": ["naive"], "batch_sizes": [1], "heads": [2], "seq_lens": [16],
+             "head_dims": [8], "dtypes": ["bf16"], "causal": [True], "modes": ["forward"], "flush_l2": True,
+             "warmup": 1, "rounds": 2}]}},
+    }
+}
+
+
+def test_hooks_are_never_timed_through_pytest_benchmark_and_bench(project):
+    (project.path / "perf" / "test_hooks.py").write_text(HOOK_TESTS)
+    result = project.runpytest_subprocess("perf/test_hooks.py", "--perf-profile=cpu", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+
+def test_attention_suites_record_accuracy_rates_and_skips(project):
+    (project.path / "benchmarks.json").write_text(json.dumps(ATTENTION_MATRIX))
+    (project.path / "perf" / "test_fake.py").unlink()
+    (project.path / "perf" / "test_attention.py").write_text((ROOT / "perf" / "test_attention.py").read_text())
+    result = project.runpytest_subprocess(
+        "perf", "--perf-profile=cpu", "--benchmark-json=out.json", "-p", "no:cacheprovider", "-rs"
+    )
+    result.assert_outcomes(passed=5, skipped=2)
+    result.stdout.fnmatch_lines(["*sdpa-flash is not available on cpu*"])
+    data = json.loads((project.path / "out.json").read_text())
+    by_name = {b["name"]: b for b in data["benchmarks"]}
+    assert set(by_name) == {
+        "test_attention[naive-b2-n16-d8-forward-fp32-full-eager-w1]",
+        "test_attention[naive-b2-n16-d8-backward-fp32-full-eager-w1]",
+        "test_flash[naive-b1-n16-d8-forward-backward-bf16-causal-eager-w0]",
+        "test_flash[naive-b1-h2-n16-d8-forward-backward-bf16-causal-eager-w0]",
+        "test_leaderboard[naive-b1-h2-n16-d8-forward-bf16-causal-eager-w1-l2flush]",
+    }
+    backward = by_name["test_attention[naive-b2-n16-d8-backward-fp32-full-eager-w1]"]
+    info = backward["extra_info"]
+    assert info["status"] == "ok" and info["accuracy_reference"] == "naive-fp32" and info["accuracy_error"] == 0.0
+    assert info["flops_per_step"] == 4 * 2 * 16 * 16 * 8 * 2.5
+    assert info["tflops"] == pytest.approx(info["flops_per_step"] / backward["stats"]["median"] / 1e12)
+    assert backward["stats"]["rounds"] == 2
+    flash = by_name["test_flash[naive-b1-h2-n16-d8-forward-backward-bf16-causal-eager-w0]"]["extra_info"]
+    assert flash["heads"] == 2 and 0 < flash["accuracy_error"] < 5e-2
+    board = by_name["test_leaderboard[naive-b1-h2-n16-d8-forward-bf16-causal-eager-w1-l2flush]"]["extra_info"]
+    assert board["flush_l2"] is True and board["flops_per_step"] == 4 * 2 * 16 * 16 * 8 * 0.5
