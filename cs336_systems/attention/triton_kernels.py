@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MASKED: tl.constexpr = -1.0e6  # after scaling; exp2(MASKED - m) == 0 in float32 for any reachable m
+MASKED = tl.constexpr(-1.0e6)  # after scaling; exp2(MASKED - m) == 0 in float32 for any reachable m
 
 
 @triton.jit
