@@ -135,7 +135,7 @@ def test_attention_gpu_profile_covers_the_handout_sweep(data):
         if c["batch_size"] == 8 and c["heads"] is None and c["dtype"] == "fp32" and not c["causal"]
         and not c["compile"]
     }
-    for impl in ("naive", "naive-compiled"):
+    for impl in ("naive", "naive-compiled", "flash-triton"):
         for d in (16, 32, 64, 128):
             for n in (256, 1024, 4096, 8192, 16384):
                 for mode in ("forward", "backward"):
@@ -153,8 +153,9 @@ def test_flash_gpu_profile_covers_the_sweep(data):
             for dtype in ("bf16", "fp32"):
                 for mode in ("forward", "backward", "forward-backward"):
                     assert (n, d, dtype, mode) in covered
-    bf16 = {c["impl"] for c in cases if c["dtype"] == "bf16"}
-    assert {"naive", "sdpa-flash", "sdpa-cudnn"} <= bf16
+    for dtype in ("bf16", "fp32"):
+        impls = {c["impl"] for c in cases if c["dtype"] == dtype}
+        assert {"flash-triton", "naive", "sdpa-flash", "sdpa-cudnn"} <= impls
 
 
 def test_leaderboard_profile_is_the_leaderboard_shape(data):
@@ -164,7 +165,8 @@ def test_leaderboard_profile_is_the_leaderboard_shape(data):
         assert (c["batch_size"], c["heads"], c["seq_len"], c["head_dim"], c["dtype"], c["causal"]) == (
             1, 16, 16384, 64, "bf16", True)
         assert c["flush_l2"] is True
-    assert {"sdpa-flash", "sdpa-cudnn"} <= {c["impl"] for c in cases}
+    assert {(c["impl"], c["compile"]) for c in cases} >= {
+        ("flash-triton", True), ("sdpa-flash", False), ("sdpa-cudnn", False)}
     assert {c["mode"] for c in cases} == {"forward", "backward", "forward-backward"}
 
 

@@ -248,7 +248,7 @@ def test_attention_suites_record_accuracy_rates_and_skips(project):
     }
     backward = by_name["test_attention[naive-b2-n16-d8-backward-fp32-full-eager-w1]"]
     info = backward["extra_info"]
-    assert info["status"] == "ok" and info["accuracy_reference"] == "naive-fp32" and info["accuracy_error"] == 0.0
+    assert info["status"] == "ok" and info["accuracy_error"] < 1e-6 and info["accuracy_tolerance"] == 1e-3
     assert info["flops_per_step"] == 4 * 2 * 16 * 16 * 8 * 2.5
     assert info["tflops"] == pytest.approx(info["flops_per_step"] / backward["stats"]["median"] / 1e12)
     assert backward["stats"]["rounds"] == 2
