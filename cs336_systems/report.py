@@ -16,7 +16,8 @@ Tables for the attention suites (median ms: the statistic triton.testing.do_benc
   * attention sweep: d x N rows, per implementation forward ms, backward ms and the memory in use
     before backward; OOM cells say OOM;
   * flash sweep: per (dtype, mode) N x d rows, per implementation ms and TFLOP/s, and the speedup of
-    flash-triton over each baseline (baseline ms / flash-triton ms, both from the same run);
+    flash-triton over each baseline (baseline ms / flash-triton ms, only when both come from the same
+    saved run);
   * leaderboard: ms and TFLOP/s per implementation and mode, and the time relative to SDPA's
     FlashAttention-2 and cuDNN kernels measured in the same run.
 """
@@ -49,12 +50,12 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
         data = json.loads(Path(path).read_text())
         machines.append(data.get("machine_info", {}).get("cs336_systems", {}) | {"file": str(path)})
         for bench in data.get("benchmarks", []):
-            entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0]}
+            entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path)}
             entry["status"] = entry.get("status", "ok")
             entry["stats"] = bench.get("stats", {})
             by_case[_key(entry)] = entry
         for oom in data.get("oom", []):
-            entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0]}
+            entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0], "run": str(path)}
             entry.update(status="oom", stats={}, error=oom.get("error"))
             by_case[_key(entry)] = entry
     return list(by_case.values()), machines
@@ -214,6 +215,15 @@ def _ok(entry: dict | None, field: str):
     return entry.get(field) if entry is not None and entry.get("status") == "ok" else None
 
 
+def _same_run_ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+    """numerator ms / denominator ms, only when both were measured in the same saved run: absolute times
+    from different runs (another boot, clocks, driver) do not divide meaningfully."""
+    a, b = _ms(numerator), _ms(denominator)
+    if not a or not b or numerator.get("run") != denominator.get("run"):
+        return None
+    return a / b
+
+
 def _variants(entries: list[dict], fields: tuple[str, ...]) -> list[tuple]:
     return sorted({tuple(e.get(f) for f in fields) for e in entries}, key=str)
 
@@ -276,10 +286,9 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
             for impl in impls:
                 entry = cells.get((impl, n, d))
                 row += [_cell_median(entry), _fmt_rate(_ok(entry, "tflops"))]
-            ours = _ms(cells.get((contender, n, d)))
             for base in baselines:
-                theirs = _ms(cells.get((base, n, d)))
-                row.append(f"{theirs / ours:.2f}x" if ours and theirs else "-")
+                speedup = _same_run_ratio(cells.get((base, n, d)), cells.get((contender, n, d)))
+                row.append("-" if speedup is None else f"{speedup:.2f}x")
             rows.append(row)
         shape = f"B={batch}" + (f", H={heads}" if heads else "")
         title = f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
@@ -303,12 +312,12 @@ def leaderboard_table(entries: list[dict], baselines: tuple[str, ...] = LEADERBO
                        key=lambda m: ATTENTION_MODE_ORDER.index(m) if m in ATTENTION_MODE_ORDER else 9)
         for mode in modes:
             in_mode = [e for e in subset if e["mode"] == mode]
-            reference = {b: _ms(next((e for e in in_mode if e["impl"] == b and not e.get("compile")), None))
+            reference = {b: next((e for e in in_mode if e["impl"] == b and not e.get("compile")), None)
                          for b in baselines}
             order = {impl: i for i, impl in enumerate(_impls(in_mode))}
             for e in sorted(in_mode, key=lambda e: (order[e["impl"]], bool(e.get("compile")))):
-                ms = _ms(e)
-                ratios = [f"{ms / reference[b]:.2f}" if ms and reference[b] else "-" for b in baselines]
+                ratios = [_same_run_ratio(e, reference[b]) for b in baselines]
+                ratios = ["-" if r is None else f"{r:.2f}" for r in ratios]
                 rows.append([mode, _impl_label(e["impl"], e.get("compile")), _cell_median(e),
                              _fmt_rate(_ok(e, "tflops")), _fmt(_ok(e, "accuracy_error"), ".1e"), *ratios])
         batch, heads, n, d, dtype, causal, flush = shape

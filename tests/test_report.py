@@ -153,3 +153,17 @@ def test_attention_cases_do_not_collide_with_each_other_or_lm_cases(tmp_path):
     ])
     entries, _ = report.load_runs([run])
     assert len(entries) == 4
+
+
+def test_speedups_and_ratios_only_within_one_saved_run(tmp_path):
+    flash = [_attn("test_flash", "flash-triton", 1024, 64, "forward", 0.001, causal=True, batch=1)]
+    naive = [_attn("test_flash", "naive", 1024, 64, "forward", 0.004, causal=True, batch=1)]
+    board = dict(dtype="bf16", causal=True, batch=1, heads=16, flush=True)
+    flash.append(_attn("test_leaderboard", "flash-triton", 16384, 64, "forward", 0.002, **board))
+    naive.append(_attn("test_leaderboard", "sdpa-flash", 16384, 64, "forward", 0.001, **board))
+    text = report.render([_run(tmp_path, "a.json", flash), _run(tmp_path, "b.json", naive)])
+    assert "| 1024 | 64 | 4.00 | - | 1.00 | - | - |" in text  # both measured, but not in the same run
+    assert "| forward | flash-triton | 2.00 | - | - | - | - |" in text
+    merged = report.render([_run(tmp_path, "c.json", flash + naive)])
+    assert "| 1024 | 64 | 4.00 | - | 1.00 | - | 4.00x |" in merged
+    assert "| forward | flash-triton | 2.00 | - | - | 2.00 | - |" in merged
