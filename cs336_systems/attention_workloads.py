@@ -44,10 +44,10 @@ from cs336_systems import attention, flops
 MODES = ("forward", "backward", "forward-backward")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Allowed max|x - ref| / max|ref| per input dtype.  fp32: a few hundred ulps of headroom for reordered
-# sums over N up to 65536 (TF32 would fail it, on purpose: fp32 cases claim fp32 accuracy).  bf16 / fp16:
-# the inputs, the probabilities and dO @ V^T are rounded to 8 / 11 significant bits inside the
-# implementations; a few units of that rounding on the largest element.
+# Allowed max|x - ref| / max|ref| per input dtype.  fp32: ~10^4 float32 ulps of headroom for sums
+# reordered over N up to 65536, yet an implementation that silently rounds through bf16 (~4e-3) fails.
+# bf16 / fp16: the inputs, the probabilities and dO @ V^T are rounded to 8 / 11 significant bits inside
+# the implementations; a few units of that rounding on the largest element.
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 1e-2}
 
 # Scores of one block of query rows in the float32 reference; a block lives as ~4 such tensors (scores,
