@@ -22,8 +22,11 @@ def sdpa_attention(
 
 
 def _pinned(backend: SDPBackend, q, k, v, is_causal: bool = False) -> torch.Tensor:
+    # The fused backends take only (B, H, N, d): fold any leading dims into B, with H = 1.
+    q4, k4, v4 = (t.reshape(-1, 1, t.shape[-2], t.shape[-1]) if t.dim() != 4 else t for t in (q, k, v))
     with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=is_causal)
+    return out.reshape(q.shape[:-1] + (v.shape[-1],))
 
 
 PINNED_BACKENDS = {
