@@ -99,13 +99,17 @@ def _flash_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 
 def _register_builtin() -> None:
-    from cs336_systems.attention import naive, sdpa
+    from cs336_systems.attention import flash_pytorch, naive, sdpa
 
     register("naive", naive.naive_attention, description="matmul, mask, softmax, matmul (reference)")
     register("naive-compiled", naive.naive_attention_compiled, description="torch.compile of naive")
     register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention")
     for name, backend in sdpa.PINNED_BACKENDS.items():
         register(name, sdpa.pinned(name), available=sdpa.cuda_only, description=f"SDPA pinned to {backend.name}")
+    register(
+        "flash-pytorch", flash_pytorch.flash_attention_pytorch,
+        description="FlashAttention-2 in plain PyTorch tiles, compiled recomputing backward (debug reference)",
+    )
     register(
         "flash-triton", _flash_triton, available=_flash_triton_available,
         description="FlashAttention-2 forward and backward in Triton (cs336_systems.attention.flash_triton)",

@@ -34,7 +34,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
         else:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 units
+        # (BLOCK_M, BLOCK_N) in base-2 units; the cast keeps fp32 when a caller passes the scale as fp64
+        s = (tl.dot(q, k, input_precision=PRECISION) * qk_scale).to(tl.float32)
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
@@ -130,7 +131,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
             lse = tl.load(l_base + offs_m)
             delta = tl.load(d_base + offs_m)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M); lse is in natural-log units -> base 2
-        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :] * 1.4426950408889634)
+        sT = (tl.dot(k, qT, input_precision=PRECISION) * qk_scale).to(tl.float32)
+        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASK:
             visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
             if CAUSAL:
@@ -212,7 +214,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, st
         else:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
-        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        s = (tl.dot(q, kT, input_precision=PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s - lse2[:, None])
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
