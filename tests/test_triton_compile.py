@@ -1,0 +1,52 @@
+"""The Triton kernels compile for Hopper (sm_90) with no GPU present, as torch.compile launches them.
+
+Under torch.compile, inductor passes Python float arguments (the softmax scales) as fp64 scalars; a
+kernel whose loop-carried accumulators silently became fp64 failed to compile on the H100 while the
+eager path (fp32 scalars) worked.  Compiling ahead of time here catches that class of error in CI.
+The compile runs in a child process with TRITON_INTERPRET=0 (this session's kernels are interpreted).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cs336_systems.attention import triton_kernels as kernels
+
+causal = sys.argv[1] == "causal"
+consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32"}
+strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
+bf16 = "*bf16"
+
+def compile_(fn, pointers, ints, scales):
+    sig = {**pointers, **{n: "i32" for n in ints}, **{n: "fp64" for n in scales}, **{n: "constexpr" for n in consts}}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+compile_(kernels.flash_fwd_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "L": "*fp32"},
+         strides + ["stride_ob", "stride_on", "n_queries", "n_keys"], ["qk_scale"])
+compile_(kernels.flash_bwd_dkdv_kernel,
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
+                    "n_queries", "n_keys"], ["sm_scale", "qk_scale"])
+compile_(kernels.flash_bwd_dq_kernel,
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "n_queries", "n_keys"],
+         ["sm_scale", "qk_scale"])
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("causal", ["causal", "full"])
+def test_kernels_compile_for_sm90_with_fp64_scales(causal):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
