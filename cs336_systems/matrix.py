@@ -202,18 +202,31 @@ def _validate_grid(grid: object, schema: dict[str, Key], where: str) -> dict:
     return out
 
 
+def case_fields(suite: str) -> set[str]:
+    """The field names of a suite's expanded cases (axis keys singular, settings as they are)."""
+    return {_SINGULAR.get(name, name) if key.axis else name for name, key in SUITE_SCHEMAS[suite].items()}
+
+
 def _validate_gate(gate: object, where: str) -> dict:
-    """A ratio gate: cases matching ``numerator`` over cases matching ``denominator`` <= max_ratio."""
+    """A ratio gate (`cs336_systems.gates`): numerator cases over their denominator twins <= max_ratio."""
     gate = _check_keys(
         gate, where,
-        {"name", "suite", "numerator", "denominator", "max_ratio", "statistic"},
+        {"name", "suite", "where", "numerator", "denominator", "max_ratio", "statistic"},
         {"name", "suite", "numerator", "denominator", "max_ratio"},
     )
     _string(gate["name"], f"{where}.name")
     _one_of(tuple(SUITE_SCHEMAS))(gate["suite"], f"{where}.suite")
-    for side in ("numerator", "denominator"):
-        if not isinstance(gate[side], dict) or not gate[side]:
+    fields = case_fields(gate["suite"])
+    for side in ("where", "numerator", "denominator"):
+        if side == "where" and side not in gate:
+            continue
+        if not isinstance(gate[side], dict) or (side != "where" and not gate[side]):
             raise MatrixError(f"{where}.{side}: expected a non-empty object of case fields")
+        unknown = sorted(set(gate[side]) - fields)
+        if unknown:
+            raise MatrixError(
+                f"{where}.{side}: unknown case field {unknown[0]!r}; valid: {', '.join(sorted(fields))}"
+            )
     ratio = gate["max_ratio"]
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
         raise MatrixError(f"{where}.max_ratio: expected a positive number, got {ratio!r}")

@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cs336_systems import benchmarking, flops, machine, matrix
+from cs336_systems import benchmarking, flops, gates, machine, matrix
 
 OOM_KEY = pytest.StashKey[list]()
+RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this session, for the ratio gates
+GATES_KEY = pytest.StashKey[list]()
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -80,7 +82,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         raise pytest.UsageError(f"{metafunc.definition.nodeid} takes `case` but has no @pytest.mark.suite(name)")
     suite = marker.args[0]
     config = metafunc.config
-    cases = _load_matrix(config).cases(suite, _profile(config))
+    # The suite travels with the case into extra_info: gates and reports select cases by it.
+    cases = [{**c, "suite": suite} for c in _load_matrix(config).cases(suite, _profile(config))]
     group = config.getoption("--perf-group")
     if group is not None:
         cases = [c for c in cases if c.get("group") == group]
@@ -90,6 +93,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
     config.stash[OOM_KEY] = []
+    config.stash[RESULTS_KEY] = []
 
 
 def _peak_for(precision: str, peak_override: float | None) -> float | None:
@@ -129,6 +133,10 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         if result.stats is None:  # --benchmark-disable: the step ran once as a smoke test, untimed
             return result
         median = result.stats.median
+        stats = result.stats
+        request.config.stash[RESULTS_KEY].append(
+            {**case, "stats": {"median": stats.median, "mean": stats.mean, "min": stats.min}}
+        )
         if result.peak_memory_bytes is not None:
             benchmark.extra_info["peak_memory_gib"] = result.peak_memory_bytes / 2**30
         if tokens is not None:
@@ -152,7 +160,32 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     output_json["perf_profile"] = _profile(config)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Evaluate benchmarks.json's ratio gates on this session's timed cases; a violation fails the run."""
+    results = session.config.stash.get(RESULTS_KEY, [])
+    if not results:
+        return
+    m = _load_matrix(session.config)
+    checks = gates.evaluate(m.gates, results, gates.case_fields_of(m))
+    session.config.stash[GATES_KEY] = checks
+    if not all(c.ok for c in checks) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    checks = config.stash.get(GATES_KEY, [])
+    if checks:
+        violated = sum(not c.ok for c in checks)
+        measured = sum(c.ratio is not None for c in checks)
+        if violated:
+            title = f"ratio gates: {violated} violated"
+        elif measured:
+            title = f"ratio gates: all {measured} measured pairs hold"
+        else:
+            title = "ratio gates: none measured in this run"
+        terminalreporter.section(title, red=bool(violated), green=not violated)
+        for line in gates.table(checks).splitlines():
+            terminalreporter.line(line)
     ooms = config.stash.get(OOM_KEY, [])
     if ooms:
         terminalreporter.section(f"{len(ooms)} case(s) ran out of memory (recorded)")

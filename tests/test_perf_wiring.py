@@ -256,3 +256,19 @@ def test_attention_suites_record_accuracy_rates_and_skips(project):
     assert flash["heads"] == 2 and 0 < flash["accuracy_error"] < 5e-2
     board = by_name["test_leaderboard[naive-b1-h2-n16-d8-forward-bf16-causal-eager-w1-l2flush]"]["extra_info"]
     assert board["flush_l2"] is True and board["flops_per_step"] == 4 * 2 * 16 * 16 * 8 * 0.5
+
+
+@pytest.mark.parametrize("max_ratio, fails", [(1e6, False), (1e-6, True)])
+def test_ratio_gates_are_evaluated_at_the_end_of_the_session(project, max_ratio, fails):
+    data = dict(TINY_MATRIX, gates=[{"name": "longer is not slower", "suite": "end_to_end",
+                                     "numerator": {"context": 16}, "denominator": {"context": 8},
+                                     "max_ratio": max_ratio}])
+    (project.path / "benchmarks.json").write_text(json.dumps(data))
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)  # every case passed; the gate alone decides the exit code
+    output = result.stdout.str()
+    if fails:
+        assert result.ret == 1
+        assert "ratio gates: 1 violated" in output and "| longer is not slower |" in output and "VIOLATED" in output
+    else:
+        assert result.ret == 0 and "ratio gates: all 1 measured pairs hold" in output

@@ -1,0 +1,87 @@
+"""In-run ratio gates: pairing, verdicts, validation, the CLI, and failing a perf session."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from cs336_systems import gates, matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = matrix.case_fields("leaderboard")
+
+
+def _entry(impl, mode, median, compile_=False, **extra):
+    return {"suite": "leaderboard", "impl": impl, "mode": mode, "compile": compile_, "batch_size": 1,
+            "heads": 16, "seq_len": 16384, "head_dim": 64, "dtype": "bf16", "causal": True, "warmup": 5,
+            "rounds": 10, "group": "leaderboard", "stats": {"median": median, "mean": median, "min": median},
+            **extra}
+
+
+GATE = {"name": "flash beats FA2", "suite": "leaderboard", "where": {"mode": "forward-backward"},
+        "numerator": {"impl": "flash-triton", "compile": True},
+        "denominator": {"impl": "sdpa-flash", "compile": False}, "max_ratio": 0.8}
+
+
+def test_pairs_on_the_unnamed_fields_and_judges_the_ratio():
+    entries = [
+        _entry("flash-triton", "forward-backward", 5.0, compile_=True),
+        _entry("sdpa-flash", "forward-backward", 7.0),
+        _entry("flash-triton", "forward", 1.0, compile_=True),  # excluded by "where"
+        _entry("sdpa-flash", "forward", 10.0),
+    ]
+    (check,) = gates.evaluate([GATE], entries, FIELDS)
+    assert check.ratio == pytest.approx(5 / 7) and check.ok
+    assert "seq_len=16384" in check.case and "mode" not in check.case
+
+    entries[0]["stats"]["median"] = 6.0
+    (check,) = gates.evaluate([GATE], entries, FIELDS)
+    assert check.ratio == pytest.approx(6 / 7) and not check.ok
+    assert "VIOLATED" in gates.table([check])
+
+
+def test_cases_that_differ_elsewhere_are_not_paired():
+    entries = [_entry("flash-triton", "forward-backward", 5.0, compile_=True, seq_len=8192),
+               _entry("sdpa-flash", "forward-backward", 7.0)]
+    (check,) = gates.evaluate([GATE], entries, FIELDS)
+    assert check.ratio is None and check.ok and "not measured" in gates.table([check])
+
+
+def test_statistic_is_selectable():
+    entries = [_entry("flash-triton", "forward-backward", 5.0, compile_=True), _entry("sdpa-flash", "forward-backward", 7.0)]
+    entries[0]["stats"]["min"] = 1.0
+    (check,) = gates.evaluate([{**GATE, "statistic": "min"}], entries, FIELDS)
+    assert check.ratio == pytest.approx(1 / 7)
+
+
+def _matrix_with(gate):
+    data = json.loads((ROOT / "benchmarks.json").read_text())
+    data["gates"] = [gate]
+    return data
+
+
+def test_gate_validation_names_unknown_fields():
+    matrix.parse(_matrix_with(GATE))
+    bad = copy.deepcopy(GATE)
+    bad["numerator"]["implementation"] = "x"
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.numerator: unknown case field 'implementation'"):
+        matrix.parse(_matrix_with(bad))
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.where: expected a non-empty object"):
+        matrix.parse(_matrix_with({**GATE, "where": 3}))
+
+
+def test_cli_exit_code(tmp_path):
+    (tmp_path / "benchmarks.json").write_text(json.dumps(_matrix_with(GATE)))
+    run = {"benchmarks": [
+        {"name": "a", "extra_info": {k: v for k, v in e.items() if k != "stats"} | {"status": "ok"},
+         "stats": e["stats"]}
+        for e in (_entry("flash-triton", "forward-backward", 5.0, compile_=True),
+                  _entry("sdpa-flash", "forward-backward", 7.0))
+    ]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    args = [str(tmp_path / "run.json"), "--matrix", str(tmp_path / "benchmarks.json")]
+    assert gates.main(args) == 0
+    run["benchmarks"][0]["stats"]["median"] = 6.5
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert gates.main(args) == 1
