@@ -7,9 +7,12 @@ Public modules:
   flops         FLOP counts and MFU, with their sources
   amp           precision modes (fp32, bf16 / fp16 autocast)
   workloads     forward / forward-backward / train-step callables built from a model
+  attention_workloads  attention benchmark steps with an accuracy check before timing
   matrix        benchmarks.json loading and validation
+  gates         in-run ratio gates declared in benchmarks.json
   machine       device facts (GPU name, versions, peak throughput lookup)
   report        saved pytest-benchmark JSON -> Markdown tables
+  profiling     NVTX / profiler ranges
 """
 
 __version__ = "0.1.0"
