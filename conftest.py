@@ -10,11 +10,13 @@ Options
                                 present, else cpu)
   --perf-group=NAME             only the perf cases of that group (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
+  --compare-any-machine         allow --benchmark-compare across GPUs / versions (warning only)
 
 pytest-benchmark integration
   machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton), and
-  comparing against a saved run whose GPU or versions differ prints a loud warning: absolute times do
-  not transfer between machines.
+  comparing against a saved run whose GPU or versions differ is refused with the list of differences
+  (``--compare-any-machine`` turns the refusal into a loud warning): absolute times do not transfer
+  between machines.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--perf-group", default=None, help="run only perf cases of this group")
     group.addoption("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU")
+    group.addoption(
+        "--compare-any-machine", action="store_true",
+        help="allow --benchmark-compare against a run from another GPU or software version (warn only)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -94,7 +100,9 @@ def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info
         lines = "\n".join(f"    {field}: now {a!r}, saved {b!r}" for field, a, b in differences)
         message = (
             "\n" + "!" * 78 + "\nCOMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE: absolute times do not transfer."
-            f"\n{lines}\nCompare only runs from the same machine and versions, or use in-run ratios.\n"
-            + "!" * 78
+            f"\n{lines}\nCompare only runs from the same machine and versions, or use in-run ratios "
+            "(benchmarks.json gates).\n" + "!" * 78
         )
+        if not config.getoption("--compare-any-machine"):
+            raise pytest.UsageError(message + "\nRefusing the comparison; pass --compare-any-machine to force it.")
         benchmarksession.logger.warning(message)

@@ -113,7 +113,7 @@ def test_peak_override_gives_mfu(project):
         assert info["mfu"] == pytest.approx(info["tflops"] / 1.0)
 
 
-def test_comparing_runs_from_another_gpu_warns_loudly(project):
+def test_comparing_runs_from_another_gpu_is_refused_unless_forced(project):
     storage = project.path / "store"
     args = ("perf", "--perf-profile=cpu", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
     project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
@@ -123,8 +123,12 @@ def test_comparing_runs_from_another_gpu_warns_loudly(project):
     saved.write_text(json.dumps(data))
     result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
     output = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR  # refused by default
     assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in output
-    assert "saved 'Imaginary GPU 9000'" in output
+    assert "saved 'Imaginary GPU 9000'" in output and "--compare-any-machine" in output
+    forced = project.runpytest_subprocess(*args, "--benchmark-compare=0001", "--compare-any-machine")
+    forced.assert_outcomes(passed=2)
+    assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in forced.stdout.str() + forced.stderr.str()
 
 
 def test_same_machine_comparison_is_quiet(project):
