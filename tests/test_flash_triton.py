@@ -124,7 +124,13 @@ def test_gpu_compiles_fullgraph_forward_and_backward(is_causal):
 
 @pytest.mark.gpu
 def test_gpu_memory_grows_linearly_in_n():
-    peaks = {}
+    """Extra memory of forward+backward is a few (B, H, N, d) tensors (O, dO, dQ, dK, dV) plus O(N) rows.
+
+    Measured on the H100: 4.2x, 5.3x, 5.3x the bytes of q for N = 4k, 8k, 16k (the allocator's rounding
+    makes the small case look cheaper).  A materialised score matrix would add 4·H·N² bytes: 128x q's
+    bytes at N = 4k, so both bounds below fail for anything quadratic.
+    """
+    peaks, q_bytes = {}, {}
     for n in (4096, 8192, 16384):
         torch.cuda.empty_cache()
         q, k, v = random_qkv((1, 8), n, n, 64, torch.bfloat16, "cuda", seed=n)
@@ -135,6 +141,8 @@ def test_gpu_memory_grows_linearly_in_n():
         out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
         peaks[n] = torch.cuda.max_memory_allocated() - base
+        q_bytes[n] = q.numel() * q.element_size()
         del q, k, v, out
-    # Linear: doubling N at most ~doubles the extra memory (quadratic would quadruple it).
-    assert peaks[8192] <= 2.2 * peaks[4096] and peaks[16384] <= 2.2 * peaks[8192], peaks
+    assert all(peaks[n] <= 8 * q_bytes[n] for n in peaks), (peaks, q_bytes)
+    # 4x the length: linear growth is ~4x (allow the allocator's slack), quadratic would be ~16x
+    assert peaks[16384] <= 5.5 * peaks[4096], peaks

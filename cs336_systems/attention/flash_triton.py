@@ -70,7 +70,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     wrap_triton(kernels.flash_fwd_kernel)[grid](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        n_queries, n_keys, (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        n_queries, n_keys, qk_scale=(1.0 / math.sqrt(d)) * 1.4426950408889634,
         CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), **cfg,
     )
     return o, lse
@@ -100,14 +100,14 @@ def flash_attn_bwd(
         q, k, v, do, lse, delta, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        n_queries, n_keys, sm_scale, qk_scale,
+        n_queries, n_keys, sm_scale=sm_scale, qk_scale=qk_scale,
         CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, **cfg,
     )
     wrap_triton(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, block_m), bh)](
         q, k, v, do, lse, delta, dq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1),
-        n_queries, n_keys, sm_scale, qk_scale,
+        n_queries, n_keys, sm_scale=sm_scale, qk_scale=qk_scale,
         CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, **cfg,
     )
     return dq, dk, dv

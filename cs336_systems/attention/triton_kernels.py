@@ -59,7 +59,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
 def flash_fwd_kernel(
     Q, K, V, O, L,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
-    n_queries, n_keys, qk_scale,
+    n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -150,7 +150,7 @@ def flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, Dvec, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dkb, stride_dkn, stride_dvb, stride_dvn,
-    n_queries, n_keys, sm_scale, qk_scale,
+    n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -232,7 +232,7 @@ def flash_bwd_dq_kernel(
     Q, K, V, DO, L, Dvec, DQ,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dqb, stride_dqn,
-    n_queries, n_keys, sm_scale, qk_scale,
+    n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
