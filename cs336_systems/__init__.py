@@ -13,6 +13,8 @@ Public modules:
   machine       device facts (GPU name, versions, peak throughput lookup)
   report        saved pytest-benchmark JSON -> Markdown tables
   profiling     NVTX / profiler ranges
+  parallel      DDP wrappers, ZeRO-1 ShardedOptimizer, FSDP, collectives benchmarks, launch helpers
+  accounting    analytic memory / communication models (XXL model, FSDP x TP batch, DDP bucket model); CLI
 """
 
 __version__ = "0.1.0"

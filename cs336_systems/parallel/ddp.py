@@ -1,0 +1,385 @@
+"""Data-parallel training wrappers: four ways to average gradients across ranks.
+
+All four share one interface (DESIGN.md):
+
+    ddp = DDPBucketed(model, bucket_size_mb=25)     # broadcasts rank 0's parameters and buffers
+    loss = loss_fn(ddp(x_local), y_local)           # forward = model.forward
+    loss.backward()
+    ddp.finish_gradient_synchronization()           # afterwards every p.grad is the average over ranks
+    optimizer.step()
+
+| wrapper                 | all-reduces per step               | launched                                |
+|-------------------------|------------------------------------|-----------------------------------------|
+| NaiveDDP                | 1 (flags) + 1 per tensor with grad | in finish, blocking, one after another  |
+| FlatDDP                 | 1 per (dtype, device)              | in finish                               |
+| DDPIndividualParameters | 1 per trainable tensor             | async from backward hooks (overlapped)  |
+| DDPBucketed             | 1 per bucket                       | async from backward hooks (overlapped)  |
+
+Semantics common to all (checked against single-process training and torch DDP in tests/test_ddp.py):
+
+* Gradients are averaged: all-reduce(SUM) then divide by the world size (gloo has no ReduceOp.AVG).
+* Only parameters with ``requires_grad=True`` at construction are communicated; frozen ones are
+  never touched.  A parameter reachable twice (tied weights) is communicated once (``parameters()``
+  de-duplicates by identity).
+* Unused parameters never hang a step and behave as in torch DDP: each communicated gradient travels
+  with a "had a gradient" flag (one extra element per tensor in the flat buffers, a separate flags
+  all-reduce in NaiveDDP).  A parameter without a gradient on every rank keeps ``grad=None``, so
+  optimizers skip it exactly as in single-process training; one used on some ranks gets the average
+  with zeros from the others.
+* ``no_sync()``: inside it nothing is communicated (hooks are idle, finish is a no-op) and gradients
+  accumulate locally; the first finish outside it averages the accumulated sums.  Gradients are read
+  from ``p.grad`` when a bucket is launched and written back into ``p.grad`` in finish (copy in / copy
+  out into a fresh flat buffer per step), so no stale gradient tensor is ever held: both
+  ``zero_grad(set_to_none=True)`` and ``zero_grad(set_to_none=False)`` work.
+* Gradients keep the parameters' dtype (fp32 master weights under bf16 autocast give fp32 grads).
+  Dense gradients on one device per (dtype) group are assumed.
+
+Collective ordering.  Collectives are matched across ranks by issue order, so the hook-based
+wrappers launch buckets strictly in bucket-index order: a bucket whose gradients are all ready waits
+until every earlier bucket has been launched, and finish launches whatever is left (buckets holding a
+parameter that got no gradient on this rank).  Every rank therefore issues the same collectives in
+the same order even when ranks use different subsets of the parameters.  Since bucket order is the
+reverse of registration order (~ the order autograd produces gradients), this rarely delays a launch.
+
+Timing hooks for benchmarks: after each ``finish_gradient_synchronization()`` the wrapper's
+``last_sync`` is a `SyncStats`: host wall time spent inside finish, the number of all-reduces launched
+before finish (from hooks: the overlapped ones) and inside it, and the bytes all-reduced.  For
+NaiveDDP and FlatDDP ``collectives_before_finish`` is always 0.  With ``record_timing=True`` and CUDA
+parameters, finish first waits for the compute stream (so backward kernels still queued are not
+billed to communication) and synchronizes the device before stopping the clock (so NCCL work still
+queued is); on CPU/gloo the host clock is already exact because ``wait()`` blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.parallel.launch import require_process_group
+
+__all__ = ["SyncStats", "NaiveDDP", "FlatDDP", "DDPIndividualParameters", "DDPBucketed"]
+
+_MB = 2**20  # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """Communication of one step, recorded by finish_gradient_synchronization()."""
+
+    finish_time_s: float  # host wall time inside finish (device-synchronized with record_timing=True)
+    collectives_before_finish: int  # all-reduces launched from backward hooks (overlapped with compute)
+    collectives_in_finish: int  # all-reduces launched inside finish
+    bytes_all_reduced: int  # payload of all those all-reduces (flags included)
+
+
+# ---------------------------------------------------------------------------------------------------
+# flat buffers: grads (zeros where missing) followed by one "had a gradient" flag per tensor
+# ---------------------------------------------------------------------------------------------------
+
+def _pack(params: list[nn.Parameter]) -> torch.Tensor:
+    """-> (sum(numel) + len(params),) buffer in the params' dtype: flattened grads, then 0/1 flags."""
+    first = params[0]
+    pieces = [
+        p.grad.reshape(-1) if p.grad is not None
+        else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        for p in params
+    ]
+    flags = torch.tensor([p.grad is not None for p in params], dtype=first.dtype, device=first.device)
+    return torch.cat(pieces + [flags])
+
+
+def _unpack(params: list[nn.Parameter], buf: torch.Tensor, world_size: int) -> None:
+    """Average the all-reduced ``buf`` (see _pack) and write it into ``p.grad`` where any rank had one."""
+    buf.div_(world_size)  # the flags get divided too; only their sign is read
+    present = (buf[-len(params):] > 0).tolist()  # one host sync per buffer, not per tensor
+    offset = 0
+    for p, has_grad in zip(params, present):
+        piece = buf[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if not has_grad:
+            continue  # no rank produced a gradient: keep None, as single-process training would
+        if p.grad is None:
+            p.grad = piece.clone()  # a clone, so the step's flat buffer is not kept alive by a view
+        else:
+            p.grad.copy_(piece)
+
+
+def _check_module(module: object, who: str) -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
+    return module
+
+
+class _DDPBase(nn.Module):
+    """Shared machinery: broadcast at construction, forward, no_sync, counted all-reduces, timing."""
+
+    def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
+        super().__init__()
+        who = type(self).__name__
+        _check_module(module, who)
+        require_process_group(who)
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.record_timing = bool(record_timing)
+        # Unique by identity (tied weights appear once), in registration order; frozen ones excluded.
+        self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._name_of = {id(p): names[id(p)] for p in self._params}
+        self._require_sync = True
+        self._launched = 0  # all-reduces issued since construction
+        self._launched_at_last_finish = 0
+        self._bytes = 0  # bytes all-reduced since construction
+        self._bytes_at_last_finish = 0
+        self.last_sync: SyncStats | None = None
+        self._broadcast_from_rank0()
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        # Frozen parameters and buffers too: every rank must start from identical state.
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            dist.broadcast(tensor.detach(), src=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no communication for backward passes (and finishes) inside."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool):
+        self._launched += 1
+        self._bytes += tensor.numel() * tensor.element_size()
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for (or issue) all communication of this step; afterwards p.grad holds the rank average.
+
+        A no-op inside no_sync().  Records this step's `SyncStats` in ``last_sync``.
+        """
+        device = self._params[0].device if self._params else torch.device("cpu")
+        cuda_timing = self.record_timing and device.type == "cuda"
+        if cuda_timing:
+            torch.cuda.current_stream(device).synchronize()  # backward compute is not communication
+        launched_before = self._launched - self._launched_at_last_finish
+        start_count = self._launched
+        start = time.perf_counter()
+        if self._require_sync:
+            self._finish()
+        if cuda_timing:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        self.last_sync = SyncStats(
+            finish_time_s=elapsed,
+            collectives_before_finish=launched_before,
+            collectives_in_finish=self._launched - start_count,
+            bytes_all_reduced=self._bytes - self._bytes_at_last_finish,
+        )
+        self._launched_at_last_finish = self._launched
+        self._bytes_at_last_finish = self._bytes
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDDP(_DDPBase):
+    """All-reduce every parameter's gradient separately, blocking, after backward (in finish).
+
+    One preliminary all-reduce of a (n_trainable,) flag vector tells every rank which tensors have a
+    gradient on some rank, so all ranks issue the same per-tensor all-reduces: 1 + n collectives, n the
+    number of tensors with a gradient on some rank.
+    """
+
+    def _finish(self) -> None:
+        if not self._params:
+            return
+        first = self._params[0]
+        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32,
+                             device=first.device)
+        self._all_reduce(flags, async_op=False)
+        for p, any_grad in zip(self._params, (flags > 0).tolist()):
+            if not any_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # used on another rank: contribute zeros
+            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            self._all_reduce(grad, async_op=False)
+            grad.div_(self.world_size)
+            if grad is not p.grad:
+                p.grad.copy_(grad)
+
+
+def _group_by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    return list(groups.values())
+
+
+class FlatDDP(_DDPBase):
+    """After backward, one all-reduce of all gradients flattened into a single buffer.
+
+    Buffer layout per (dtype, device) group: (sum numel + n_tensors,) = grads then flags (see _pack).
+    Mixed-dtype models get one buffer, and one all-reduce, per dtype.
+    """
+
+    def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
+        super().__init__(module, record_timing=record_timing)
+        self._groups = _group_by_dtype(self._params)
+
+    def _finish(self) -> None:
+        buffers = [_pack(group) for group in self._groups]
+        works = [self._all_reduce(buf, async_op=True) for buf in buffers]  # overlap the dtype groups
+        for group, buf, work in zip(self._groups, buffers, works):
+            work.wait()
+            _unpack(group, buf, self.world_size)
+
+
+class _HookedBucketDDP(_DDPBase):
+    """Buckets of parameters, each all-reduced asynchronously once all its gradients are accumulated.
+
+    Per-step state: ``_waiting[b]`` counts bucket b's gradients not yet accumulated; ``_next`` is the
+    first bucket not yet launched; ``_in_flight`` holds (bucket, buffer, work) of launched buckets.
+    """
+
+    def __init__(self, module: nn.Module, buckets: list[list[int]], *, record_timing: bool) -> None:
+        super().__init__(module, record_timing=record_timing)
+        self._buckets = [[self._params[i] for i in bucket] for bucket in buckets]
+        self._bucket_of = {id(self._params[i]): b for b, bucket in enumerate(buckets) for i in bucket}
+        self._reset_step()
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for p in self._params]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def bucket_param_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self._name_of[id(p)] for p in bucket] for bucket in self._buckets]
+
+    def _reset_step(self) -> None:
+        self._waiting = [len(bucket) for bucket in self._buckets]
+        self._ready: set[int] = set()
+        self._next = 0
+        self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._require_sync:
+            return  # inside no_sync(): just accumulate
+        if id(param) in self._ready:
+            name = self._name_of[id(param)]
+            raise RuntimeError(
+                f"{type(self).__name__}: parameter {name!r} received a second gradient in one step; call "
+                "finish_gradient_synchronization() between backward passes, or run the earlier ones "
+                "inside no_sync()"
+            )
+        self._ready.add(id(param))
+        self._waiting[self._bucket_of[id(param)]] -= 1
+        # Launch in bucket order only, so every rank issues the same collectives in the same order.
+        while self._next < len(self._buckets) and self._waiting[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        buf = _pack(self._buckets[b])
+        self._in_flight.append((self._buckets[b], buf, self._all_reduce(buf, async_op=True)))
+        self._next = b + 1
+
+    def forward(self, *args, **kwargs):
+        if self._ready and self._require_sync:
+            raise RuntimeError(
+                f"{type(self).__name__}: a backward pass's gradients have not been synchronized yet; call "
+                "finish_gradient_synchronization() after backward and before the next forward (or run "
+                "gradient-accumulation micro-steps inside no_sync())"
+            )
+        return self.module(*args, **kwargs)
+
+    def _finish(self) -> None:
+        try:
+            # Buckets still waiting hold a parameter that got no gradient on this rank: launch them now.
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            for params, buf, work in self._in_flight:
+                work.wait()
+                _unpack(params, buf, self.world_size)
+        finally:
+            self._reset_step()
+
+
+class DDPIndividualParameters(_HookedBucketDDP):
+    """One asynchronous all-reduce per gradient, launched from its post-accumulate-grad hook.
+
+    Each trainable tensor is its own bucket (grad + flag copied into a (numel + 1,) buffer), in reverse
+    registration order; see the module docstring for why launches follow that order.
+    """
+
+    def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
+        _check_module(module, type(self).__name__)
+        n = sum(1 for p in module.parameters() if p.requires_grad)
+        super().__init__(module, [[i] for i in reversed(range(n))], record_timing=record_timing)
+
+
+def _plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[int]]:
+    """Greedy assignment of parameter indices to buckets of at most ``bucket_size_mb`` MiB.
+
+    Walk the parameters in reverse registration order; a parameter joins the open bucket of its
+    (dtype, device) if it still fits, otherwise it opens a new one.
+    """
+    cap = math.inf if bucket_size_mb is None else bucket_size_mb * _MB
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[int, int]] = {}  # key -> (index, bytes)
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        if key in open_bucket:
+            b, used = open_bucket[key]
+            if used + nbytes <= cap:
+                buckets[b].append(i)
+                open_bucket[key] = (b, used + nbytes)
+                continue
+        buckets.append([i])
+        open_bucket[key] = (len(buckets) - 1, nbytes)
+    return buckets
+
+
+class DDPBucketed(_HookedBucketDDP):
+    """Gradients grouped into buckets of at most ``bucket_size_mb`` MiB, each all-reduced asynchronously
+    (one flat buffer, grads then flags) the moment its last gradient is accumulated.
+
+    Assignment policy: trainable tensors in reverse registration order (``reversed(model.parameters())``
+    ~ the order backward produces gradients), greedily: a tensor joins the current bucket of its dtype
+    if the bucket's gradient bytes stay <= bucket_size_mb * 2**20, otherwise it starts a new bucket.
+    Consequences: a tensor larger than the cap gets a bucket of its own (and closes the one before it);
+    buckets are filled front to back, so the last bucket — the first layers' gradients, ready last —
+    holds the remainder and is usually smaller; ``bucket_size_mb=None`` puts everything in one bucket
+    (per dtype), which then can only be launched once backward is complete.  Buckets never mix dtypes.
+
+    bucket_size_mb: positive number of MiB, or None for a single bucket.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None, *,
+                 record_timing: bool = False) -> None:
+        who = type(self).__name__
+        if bucket_size_mb is not None:
+            if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+                raise TypeError(f"{who}: bucket_size_mb must be a number or None, got {bucket_size_mb!r}")
+            if not bucket_size_mb > 0:  # also rejects NaN
+                raise ValueError(f"{who}: bucket_size_mb must be positive (or None for a single bucket), "
+                                 f"got {bucket_size_mb!r}")
+        _check_module(module, who)
+        params = [p for p in module.parameters() if p.requires_grad]
+        super().__init__(module, _plan_buckets(params, bucket_size_mb), record_timing=record_timing)
+        self.bucket_size_mb = bucket_size_mb

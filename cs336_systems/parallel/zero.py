@@ -1,0 +1,459 @@
+"""ZeRO stage 1: `ShardedOptimizer` shards any optimizer's state across the ranks of the default process group.
+
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mode="zero1", lr=1e-3, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Every rank holds the whole model; each rank keeps optimizer state (Adam's moments, SGD's momentum) only for its
+shard, so state memory per rank is ~1/world_size of the unsharded optimizer's.  Two synchronization modes:
+
+``"broadcast"`` (the handout's design)
+    Whole parameters are owned by ranks: largest first, each to the least-loaded rank (elements, lowest rank on
+    ties).  Greedy keeps every rank within one largest tensor of total/world.  Gradients must ALREADY be
+    averaged across ranks (a DDP wrapper does it).  Each rank's inner optimizer steps only its own parameters,
+    then each owner broadcasts them.  Broadcasts are flattened per owner and dtype: world_size collectives a
+    step instead of one per parameter (a Transformer has hundreds of small norm weights, each a latency-bound
+    call), for one extra pack/unpack copy and a transient buffer of one owner's shard (~model/world).
+    Traffic per step: all-reduce of the gradients (the DDP wrapper) + broadcast of every parameter.
+
+``"zero1"`` (the ZeRO paper's P_os)
+    Per parameter group and dtype, the parameters are laid out in one flat buffer of N elements padded to
+    N_pad = world * S; rank r owns the contiguous slice [r*S, (r+1)*S).  Gradients are the LOCAL, un-averaged
+    ones (no DDP all-reduce: this optimizer takes it over):
+
+        flat_grad (N_pad) --reduce_scatter(sum)/world--> grad slice (S) on its owner
+        inner optimizer updates the owner's slice (S)
+        slice (S) --all_gather--> flat params (N_pad) --copy--> every rank's parameters
+
+    reduce-scatter + all-gather move exactly what one all-reduce moves, so ZeRO-1 costs DDP's traffic while
+    "broadcast" costs DDP's plus a broadcast of the parameters.  The shard parameters given to the inner
+    optimizer are `nn.Parameter` views of the slice, one per (parameter ∩ slice) piece; a piece that covers a
+    whole parameter keeps the parameter's shape.  Pieces make a parameter whose gradient is None on every rank
+    exactly skipped (as the unsharded optimizer skips it), and a gradient None on only some ranks counts as
+    zeros there (DDP's ``find_unused_parameters`` semantics).  Knowing which is which costs one all-reduce of
+    one int32 per parameter each step.  Gloo: when the torch build lacks a gloo reduce-scatter, it falls back
+    to an all-reduce of the whole flat buffer and takes the local slice (2x the reduce-scatter's traffic);
+    NCCL always uses the real reduce_scatter / all_gather_into_tensor.
+
+    Exactness: slicing is exact for elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
+    Optimizers with per-tensor state or statistics (Adafactor's factored moments, LAMB/LARS trust ratios,
+    gradient-norm-based updates) see pieces instead of tensors and are NOT exact in "zero1": use "broadcast".
+
+Other behaviour:
+  * ``step(closure=None, **kwargs)``: the closure is evaluated once here (with grad enabled), never by the
+    inner optimizer; ``kwargs`` go to the inner ``step``.  Hyperparameters are read from ``param_groups``
+    before every step, so LR schedulers work on this object as on any optimizer.
+  * ``add_param_group`` (also at construction) assigns the new parameters to ranks; it is collective (all
+    ranks must add the same parameters in the same order, which is checked).
+  * ``state_dict()`` returns this rank's shard ("local" format below); after ``consolidate_state_dict(to)``
+    (collective), ``state_dict()`` on rank ``to`` returns the full state until the next ``step``.
+  * ``load_state_dict`` accepts either format; the full format is also what the unsharded optimizer saves,
+    so checkpoints move between sharded and unsharded runs and between world sizes.
+
+State-dict formats:
+  local: ``{"format": "cs336-sharded-local", "mode", "rank", "world_size",
+            "param_groups": [hyperparameters + "params": global indices],
+            "layout": [(global index, start, end) for each inner parameter, in inner order],
+            "inner": the inner optimizer's own state_dict()}``
+    Global indices number the parameters in ``param_groups`` order, as ``torch.optim.Optimizer`` does;
+    (start, end) is the range of the flattened parameter this rank holds (the whole tensor in "broadcast").
+  full: exactly ``optimizer_cls(same param groups).state_dict()``: ``{"state": {global index: {name: value}},
+    "param_groups": [...]}``, tensors on the CPU, per-element state tensors in the parameter's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.parallel.launch import require_process_group
+
+MODES = ("broadcast", "zero1")
+LOCAL_FORMAT = "cs336-sharded-local"
+
+# torch 2.13 renamed the flat collectives (the old names emit a FutureWarning); older builds only have the old.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# backend name -> False once that backend has refused the flat collective (decided once, identically per rank)
+_native_reduce_scatter: dict[str, bool] = {}
+_native_all_gather: dict[str, bool] = {}
+
+
+def _comm_device() -> torch.device:
+    """Where small bookkeeping tensors must live for the default group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_scatter_via_all_reduce(output: torch.Tensor, input: torch.Tensor) -> None:
+    """Sum-reduce-scatter without a reduce-scatter: all-reduce ``input`` (W*S,) in place, keep slice ``rank``.
+
+    Moves ~2x the bytes of a real reduce-scatter (an all-reduce is a reduce-scatter plus an all-gather).
+    """
+    dist.all_reduce(input)
+    output.copy_(input.view(dist.get_world_size(), -1)[dist.get_rank()])
+
+
+def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor) -> None:
+    """output (S,) = slice ``rank`` of the sum over ranks of input (W*S,)."""
+    backend = dist.get_backend()
+    if _native_reduce_scatter.get(backend, True):
+        try:
+            _reduce_scatter_flat(output, input)
+            return
+        except (RuntimeError, NotImplementedError):
+            # An unimplemented op fails on every rank before any data moves, so all ranks fall back together.
+            if backend != "gloo":
+                raise
+            _native_reduce_scatter[backend] = False
+    reduce_scatter_via_all_reduce(output, input)
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor) -> None:
+    """output (W*S,) = concatenation over ranks of input (S,)."""
+    backend = dist.get_backend()
+    if _native_all_gather.get(backend, True):
+        try:
+            _all_gather_flat(output, input)
+            return
+        except (RuntimeError, NotImplementedError):
+            if backend != "gloo":
+                raise
+            _native_all_gather[backend] = False
+    dist.all_gather(list(output.chunk(dist.get_world_size())), input)
+
+
+def _check_same_on_all_ranks(params: list[torch.Tensor], who: str) -> None:
+    """Fail loudly (instead of hanging or silently diverging) when ranks add different parameter lists."""
+    numels = [p.numel() for p in params]
+    mine = torch.tensor([len(params), sum(numels), sum((i + 1) * n for i, n in enumerate(numels))],
+                        dtype=torch.int64, device=_comm_device())
+    every = torch.empty(dist.get_world_size() * 3, dtype=torch.int64, device=mine.device)
+    all_gather_flat(every, mine)
+    rows = every.view(-1, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        raise ValueError(f"{who}: ranks added different parameters (count, numel, order fingerprint): {rows}")
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class _Bucket:
+    """zero1: one flat buffer for the parameters of one (param group, dtype, device).
+
+    params[j] occupies [offsets[j], offsets[j] + numel) of the flat layout of ``world * shard_numel`` elements;
+    ``shard`` (shard_numel,) is this rank's slice, the master copy the inner optimizer updates through
+    ``pieces``: (j, start, end, piece) with piece viewing shard[offsets[j] + start - lo : ... + end - lo].
+    """
+
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int) -> None:
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets.pop()
+        self.shard_numel = math.ceil(self.numel / world)
+        self.lo = rank * self.shard_numel
+        hi = self.lo + self.shard_numel
+        self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        self.pieces: list[tuple[int, int, int, nn.Parameter]] = []
+        for j, (p, off) in enumerate(zip(params, self.offsets)):
+            a, b = max(self.lo, off), min(hi, off + p.numel())
+            if a >= b:
+                continue
+            view = self.shard[a - self.lo:b - self.lo]
+            if b - a == p.numel():
+                view = view.view(p.shape)  # a whole parameter keeps its shape (and per-tensor semantics)
+            self.pieces.append((j, a - off, b - off, nn.Parameter(view)))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the current parameter values into the shard (they may have been changed outside the optimizer)."""
+        for j, start, end, piece in self.pieces:
+            piece.detach().view(-1).copy_(self.params[j].detach().reshape(-1)[start:end])
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_cls`` so each rank keeps state only for its shard; see the module docstring.
+
+    params: parameters or parameter groups (dicts with their own hyperparameters), identical on all ranks.
+    optimizer_cls: a `torch.optim.Optimizer` subclass; ``**kwargs`` are its default hyperparameters.
+    mode: "broadcast" (gradients already averaged, e.g. by DDP) or "zero1" (local gradients, reduce-scattered).
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
+                 mode: str = "broadcast", **kwargs: Any) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        require_process_group("ShardedOptimizer")
+        # Set before super().__init__, which calls self.add_param_group for every initial group.
+        self.mode = mode
+        self.optimizer_cls = optimizer_cls
+        self._kwargs = dict(kwargs)
+        self._rank = dist.get_rank()
+        self._world = dist.get_world_size()
+        self._inner: torch.optim.Optimizer | None = None
+        self._loads = [0] * self._world  # broadcast: elements owned per rank
+        self._owner: dict[torch.Tensor, int] = {}  # broadcast: parameter -> owning rank
+        self._buckets: list[_Bucket] = []  # zero1, in param-group order
+        self._piece_of: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # inner param -> (param, a, b)
+        self._broadcast_plan: list[tuple[int, list[torch.Tensor]]] | None = None
+        self._consolidated: dict[str, Any] | None = None
+        super().__init__(params, dict(kwargs))
+        self.state = self._inner.state  # `opt.state[p]` works for this rank's (shard) parameters
+
+    # ------------------------------------------------------------------ parameter assignment
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (collective: same parameters, same order on every rank) and shard it."""
+        super().add_param_group(param_group)  # validates and normalizes the group, fills in defaults
+        group = self.param_groups[-1]
+        params = group["params"]
+        try:
+            if len(set(params)) != len(params):
+                raise ValueError("param_group contains the same parameter twice; it would be updated twice")
+            if any(p.is_sparse for p in params):
+                raise ValueError("ShardedOptimizer supports dense parameters only, got a sparse one")
+            _check_same_on_all_ranks(params, "ShardedOptimizer.add_param_group")
+        except ValueError:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+        local = self._shard_broadcast(params) if self.mode == "broadcast" else self._shard_zero1(params)
+        inner_group = {**_hyperparameters(group), "params": local}
+        if self._inner is None:
+            self._inner = self.optimizer_cls([inner_group], **self._kwargs)
+            self.defaults = {**self._inner.defaults, **self.defaults}
+        else:
+            self._inner.add_param_group(inner_group)
+        # The inner optimizer filled in its defaults (betas, eps, ...): show them here as a plain optimizer would.
+        for key, value in _hyperparameters(self._inner.param_groups[-1]).items():
+            group.setdefault(key, value)
+        self._broadcast_plan = None
+
+    def _shard_broadcast(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        # Largest first to the least-loaded rank; ties by position / lowest rank, so every rank agrees.
+        for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+            rank = min(range(self._world), key=lambda r: (self._loads[r], r))
+            self._loads[rank] += params[i].numel()
+            self._owner[params[i]] = rank
+        local = [p for p in params if self._owner[p] == self._rank]
+        for p in local:
+            self._piece_of[p] = (p, 0, p.numel())
+        return local
+
+    def _shard_zero1(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        local = []
+        for same_kind in by_kind.values():
+            bucket = _Bucket(same_kind, self._rank, self._world)
+            self._buckets.append(bucket)
+            for j, start, end, piece in bucket.pieces:
+                self._piece_of[piece] = (same_kind[j], start, end)
+                local.append(piece)
+        return local
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Update this rank's shard from the gradients, then make every rank's parameters identical."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self._inner.param_groups):
+            inner.update(_hyperparameters(outer))  # LR schedulers write to our groups
+        if self.mode == "broadcast":
+            self._inner.step(**kwargs)
+            self._broadcast_parameters()
+        else:
+            self._reduce_scatter_gradients()
+            self._inner.step(**kwargs)
+            self._all_gather_parameters()
+        self._consolidated = None
+        return loss
+
+    def _broadcast_parameters(self) -> None:
+        if self._broadcast_plan is None:
+            plan: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    plan.setdefault((self._owner[p], p.dtype, p.device), []).append(p)
+            self._broadcast_plan = [(key[0], ps) for key, ps in sorted(plan.items(), key=lambda kv: kv[0][0])]
+        for owner, params in self._broadcast_plan:
+            if owner == self._rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            dist.broadcast(flat, src=owner)
+            if owner != self._rank:
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def _reduce_scatter_gradients(self) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        # How many ranks hold a gradient for each parameter: 0 -> skip it like the unsharded optimizer would.
+        have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
+        dist.all_reduce(have)
+        received = {p: n > 0 for p, n in zip(params, have.tolist())}
+        for bucket in self._buckets:
+            flat = bucket.shard.new_zeros(bucket.shard_numel * self._world)  # padding stays zero
+            for p, off in zip(bucket.params, bucket.offsets):
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise ValueError("ShardedOptimizer(mode='zero1') needs dense gradients, got a sparse one")
+                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            grad_shard = torch.empty_like(bucket.shard)
+            reduce_scatter_sum(grad_shard, flat)
+            grad_shard.div_(self._world)
+            bucket.refresh()
+            for j, start, end, piece in bucket.pieces:
+                a = bucket.offsets[j] + start - bucket.lo
+                piece.grad = grad_shard[a:a + end - start].view_as(piece) if received[bucket.params[j]] else None
+
+    def _all_gather_parameters(self) -> None:
+        for bucket in self._buckets:
+            flat = bucket.shard.new_empty(bucket.shard_numel * self._world)
+            all_gather_flat(flat, bucket.shard)
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model parameters' gradients (and the shard gradients zero1 keeps after a step)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for bucket in self._buckets:
+            for _, _, _, piece in bucket.pieces:
+                piece.grad = None
+
+    # ------------------------------------------------------------------ memory
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer-state tensors held by this rank (moments, momentum, step counters)."""
+        return sum(v.numel() * v.element_size() for state in self._inner.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _global_index(self) -> dict[torch.Tensor, int]:
+        return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        index = self._global_index()
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                for g in self.param_groups]
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        index = self._global_index()
+        layout = []
+        for group in self._inner.param_groups:
+            for q in group["params"]:
+                p, start, end = self._piece_of[q]
+                layout.append((index[p], start, end))
+        return {"format": LOCAL_FORMAT, "mode": self.mode, "rank": self._rank, "world_size": self._world,
+                "param_groups": self._packed_groups(), "layout": layout, "inner": self._inner.state_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard (local format), or the full state on rank ``to`` after consolidate_state_dict."""
+        if self._consolidated is not None:
+            return self._consolidated
+        return self._local_state_dict()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: gather every shard onto rank ``to``, whose state_dict() then returns the full state."""
+        if not isinstance(to, int) or not 0 <= to < self._world:
+            raise ValueError(f"to must be a rank in [0, {self._world}), got {to!r}")
+        local = _to_cpu(self._local_state_dict())
+        shards = [None] * self._world if self._rank == to else None
+        dist.gather_object(local, shards, dst=to)
+        self._consolidated = self._merge(shards) if self._rank == to else None
+
+    def _merge(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        pieces: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
+        for shard in shards:
+            for inner_index, (index, start, end) in enumerate(shard["layout"]):
+                if inner_index in shard["inner"]["state"]:
+                    pieces.setdefault(index, []).append((start, end, shard["inner"]["state"][inner_index]))
+        state = {}
+        for index in sorted(pieces):
+            parts = sorted(pieces[index], key=lambda part: part[0])  # (start, end, state) by start
+            starts, ends = [part[0] for part in parts], [part[1] for part in parts]
+            numel, shape = params[index].numel(), params[index].shape
+            if starts != [0] + ends[:-1] or ends[-1] != numel:
+                raise RuntimeError(f"shards of parameter {index} do not cover it: {list(zip(starts, ends))}")
+            if len(parts) == 1:  # a whole parameter: its state already has the parameter's shapes
+                state[index] = parts[0][2]
+                continue
+            merged = {}
+            for key, value in parts[0][2].items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == ends[0] - starts[0]:
+                    merged[key] = torch.cat([part[2][key] for part in parts]).view(shape)  # per-element state
+                else:  # per-tensor scalars (e.g. Adam's step) are the same on every piece
+                    merged[key] = value
+            state[index] = merged
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a local-format shard (same mode, rank, world size, layout) or a full optimizer state dict."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            raise ValueError(f"state_dict must be an optimizer state dict, got {type(state_dict).__name__}")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(mine["params"]) for saved, mine in zip(groups, self.param_groups)):
+            theirs, ours = [len(g["params"]) for g in groups], [len(g["params"]) for g in self.param_groups]
+            raise ValueError(f"state_dict has param groups of sizes {theirs}, this optimizer {ours}")
+        if state_dict.get("format") == LOCAL_FORMAT:
+            mine = self._local_state_dict()
+            for key in ("mode", "world_size", "rank", "layout"):
+                if state_dict[key] != mine[key]:
+                    raise ValueError(f"state_dict is a shard saved with {key}={state_dict[key]!r}, but this "
+                                     f"optimizer has {key}={mine[key]!r}; save a full one with "
+                                     "consolidate_state_dict")
+            inner = state_dict["inner"]
+        else:
+            inner = self._slice_full(state_dict)
+        for outer, saved in zip(self.param_groups, groups):
+            outer.update(_hyperparameters(saved))
+        self._inner.load_state_dict(inner)
+        self._consolidated = None
+
+    def _slice_full(self, full: dict[str, Any]) -> dict[str, Any]:
+        """A full (unsharded) state dict -> the inner optimizer's state dict for this rank's pieces."""
+        index = self._global_index()
+        state, inner_groups, position = {}, [], 0
+        for saved, group in zip(full["param_groups"], self._inner.param_groups):
+            count = len(group["params"])
+            inner_groups.append({**_hyperparameters(saved), "params": list(range(position, position + count))})
+            for q in group["params"]:
+                p, start, end = self._piece_of[q]
+                saved_state = full["state"].get(index[p])
+                if saved_state is not None:
+                    state[position] = {k: self._slice_value(k, v, p, start, end) for k, v in saved_state.items()}
+                position += 1
+        return {"state": state, "param_groups": inner_groups}
+
+    @staticmethod
+    def _slice_value(key: str, value: Any, p: torch.Tensor, start: int, end: int) -> Any:
+        if not isinstance(value, torch.Tensor) or (start, end) == (0, p.numel()) or value.dim() == 0:
+            return value
+        if value.shape != p.shape:
+            raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, not the parameter's "
+                             f"{tuple(p.shape)}: it is not elementwise, so it cannot be sharded by zero1")
+        return value.reshape(-1)[start:end].clone()

@@ -1,0 +1,483 @@
+"""DDP wrappers on gloo/CPU: equal to single-process full-batch training, and to torch DDP.
+
+Two spawned jobs (world size 2 and 3) run every scenario and send back parameters, gradients and
+all-reduce counts as numpy arrays; the tests below assert on them in the parent against references
+computed here in one process.  Ranks build their models from different seeds, so only the wrappers'
+broadcast can make them start equal; each rank trains on its slice of the global batch and the loss
+is a mean, so averaged gradients equal full-batch gradients.
+
+The toy model holds every awkward case: a frozen layer, a frozen bias, an embedding tied to the LM
+head, a branch that is never used, and a branch used by data-dependent subsets of the ranks (some
+ranks at step 0, none at step 1, all at step 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cs336_systems import model as lm_model
+from cs336_systems.parallel import ddp
+from cs336_systems.parallel.launch import spawn
+
+V, D, H = 32, 16, 24  # vocab, width, hidden
+B, T = 6, 5  # global batch (divisible by 2 and 3 ranks), sequence length
+STEPS = 3
+INIT_SEED = 1000  # rank r builds its model from INIT_SEED + r; rank 0's initialisation wins
+# branch usage per global row and step: ranks 0.. use it at step 0, nobody at step 1, everybody at 2
+MASKS = [[True, True, True, False, False, False], [False] * B, [True] * B]
+
+# trainable tensors in registration order (the tied lm_head.weight is embed.weight, counted once)
+TRAINABLE = ["unused.weight", "unused.bias", "embed.weight", "fc1.weight", "fc2.weight", "fc2.bias",
+             "branch.weight", "branch.bias"]
+FROZEN = ["fc1.bias", "frozen.weight", "frozen.bias"]
+TRAINABLE_NUMEL = D * D + D + V * D + H * D + D * H + D + D * D + D  # 1840
+
+# Reverse registration order, bytes: branch.b 64, branch.w 1024, fc2.b 64, fc2.w 1536, fc1.w 1536 (4224)
+# | embed 2048, unused.b 64, unused.w 1024 (3136): a 4800-byte cap gives exactly two buckets.
+TWO_BUCKET_MB = 4800 / 2**20
+WRAPPERS = {
+    "naive": lambda m: ddp.NaiveDDP(m),
+    "flat": lambda m: ddp.FlatDDP(m),
+    "individual": lambda m: ddp.DDPIndividualParameters(m),
+    "bucketed_none": lambda m: ddp.DDPBucketed(m, None),
+    "bucketed_1mb": lambda m: ddp.DDPBucketed(m, 1.0),
+    "bucketed_two": lambda m: ddp.DDPBucketed(m, TWO_BUCKET_MB),
+    "bucketed_tiny": lambda m: ddp.DDPBucketed(m, 1e-6),  # ~1 byte: one bucket per tensor
+}
+EXPECTED_BUCKETS = {
+    "bucketed_none": [TRAINABLE[::-1]],
+    "bucketed_1mb": [TRAINABLE[::-1]],
+    "bucketed_two": [["branch.bias", "branch.weight", "fc2.bias", "fc2.weight", "fc1.weight"],
+                     ["embed.weight", "unused.bias", "unused.weight"]],
+    "bucketed_tiny": [[n] for n in TRAINABLE[::-1]],
+    "individual": [[n] for n in TRAINABLE[::-1]],
+}
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(D, D)  # registered first, so its bucket comes last
+        self.embed = nn.Embedding(V, D)
+        self.fc1 = nn.Linear(D, H)
+        self.fc1.bias.requires_grad_(False)
+        self.frozen = nn.Linear(H, H).requires_grad_(False)
+        self.fc2 = nn.Linear(H, D)
+        self.branch = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.rand(D) + 0.5)
+
+    def forward(self, tokens: torch.Tensor, use_branch: torch.Tensor) -> torch.Tensor:
+        """tokens (b, T) int64, use_branch (b,) bool -> logits (b, T, V)."""
+        x = self.embed(tokens) * self.scale
+        x = x + self.fc2(torch.tanh(self.frozen(F.relu(self.fc1(x)))))
+        if bool(use_branch.any()):  # data-dependent: some ranks skip the branch entirely
+            x = torch.where(use_branch[:, None, None], x + self.branch(x), x)
+        return self.lm_head(x)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(17 + step)
+    tokens = torch.randint(V, (B, T), generator=g)
+    targets = torch.randint(V, (B, T), generator=g)
+    return tokens, targets, torch.tensor(MASKS[step % len(MASKS)])
+
+
+def _rows(rank: int, world_size: int, n: int = B) -> slice:
+    per = n // world_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.2, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
+def _loss(net: nn.Module, step: int, rank: int, world_size: int) -> torch.Tensor:
+    tokens, targets, mask = _batch(step)
+    rows = _rows(rank, world_size)
+    logits = net(tokens[rows], mask[rows])
+    return F.cross_entropy(logits.reshape(-1, V).float(), targets[rows].reshape(-1))
+
+
+def _numpy_state(module: nn.Module) -> dict:
+    params = {n: p.detach().clone().numpy() for n, p in module.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.detach().clone().numpy()
+             for n, p in module.named_parameters()}
+    dtypes = {n: str(p.grad.dtype) for n, p in module.named_parameters() if p.grad is not None}
+    return {"params": params, "grads": grads, "grad_dtypes": dtypes}
+
+
+def _train(module: nn.Module, step_fn, opt_name: str, set_to_none: bool, rank: int, world_size: int,
+           sync=None, autocast: bool = False, steps: int = STEPS) -> None:
+    """``steps`` optimizer steps on ``step_fn = module or its wrapper``; no zero_grad after the last."""
+    opt = _optimizer(opt_name, module.parameters())
+    for step in range(steps):
+        if step:
+            opt.zero_grad(set_to_none=set_to_none)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(step_fn, step, rank, world_size)
+        loss.backward()
+        if sync is not None:
+            sync()
+        opt.step()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the spawned jobs
+# ---------------------------------------------------------------------------------------------------
+
+def _counting_all_reduce(log: list):
+    """Log the numel of every dist.all_reduce call (the wrappers look the function up at call time)."""
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        log.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+
+
+def _build(rank: int) -> Toy:
+    torch.manual_seed(INIT_SEED + rank)
+    return Toy()
+
+
+def _train_counted(kind: str, rank: int, world_size: int, opt_name: str, set_to_none: bool, log: list):
+    """Train a wrapped Toy; also record, per step, all-reduces issued before finish and in total."""
+    net = _build(rank)
+    wrapper = WRAPPERS[kind](net)
+    opt = _optimizer(opt_name, net.parameters())
+    per_step = []
+    for step in range(STEPS):
+        if step:
+            opt.zero_grad(set_to_none=set_to_none)
+        start = len(log)
+        _loss(wrapper, step, rank, world_size).backward()
+        before = len(log) - start
+        wrapper.finish_gradient_synchronization()
+        stats = wrapper.last_sync
+        per_step.append({"before": before, "total": len(log) - start, "numel": sum(log[start:]),
+                         "stats": (stats.collectives_before_finish, stats.collectives_in_finish,
+                                   stats.bytes_all_reduced, stats.finish_time_s)})
+        opt.step()
+    out = _numpy_state(net)
+    out["per_step"] = per_step
+    out["buckets"] = getattr(wrapper, "bucket_param_names", None)
+    out["scale"] = net.scale.clone().numpy()
+    return out
+
+
+def _no_sync_run(kind: str, rank: int, world_size: int, log: list) -> dict:
+    """Two micro-steps: step 0's batch inside no_sync, step 1's outside; count all-reduces of each."""
+    wrapper = WRAPPERS[kind](_build(rank))
+    start = len(log)
+    with wrapper.no_sync():
+        _loss(wrapper, 0, rank, world_size).backward()
+        wrapper.finish_gradient_synchronization()
+    inside = len(log) - start
+    _loss(wrapper, 1, rank, world_size).backward()
+    wrapper.finish_gradient_synchronization()
+    out = _numpy_state(wrapper.module)
+    out["calls"] = (inside, len(log) - start - inside)
+    return out
+
+
+def _torch_ddp_run(rank: int, world_size: int, opt_name: str, set_to_none: bool, autocast: bool) -> dict:
+    net = _build(rank)
+    wrapped = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    _train(net, wrapped, opt_name, set_to_none, rank, world_size, autocast=autocast)
+    return _numpy_state(net)
+
+
+def _misuse_messages(rank: int, world_size: int) -> list[str]:
+    """Two backward passes without finish, and a forward before finish, must raise (not hang)."""
+    messages = []
+    for attempt in ("second_backward", "forward"):
+        wrapper = ddp.DDPIndividualParameters(_build(rank))
+        _loss(wrapper, 2, rank, world_size).backward()
+        try:
+            if attempt == "second_backward":
+                _loss(wrapper.module, 2, rank, world_size).backward()
+            else:
+                wrapper(*_batch(2)[::2])
+        except RuntimeError as exc:
+            messages.append(str(exc))
+        # complete the step on every rank so the collectives stay matched
+        wrapper.finish_gradient_synchronization()
+    return messages
+
+
+def _tiny_lm_batch(step: int) -> torch.Tensor:
+    return torch.randint(128, (4, 17), generator=torch.Generator().manual_seed(99 + step))
+
+
+def _tiny_lm_train(rank: int, world_size: int, wrap: bool) -> dict:
+    torch.manual_seed(INIT_SEED + rank)
+    net = lm_model.build("tiny", vocab_size=128, context_length=16)
+    wrapper = ddp.DDPBucketed(net, 0.05) if wrap else net
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        seqs = _tiny_lm_batch(step)[_rows(rank, world_size, 4)]
+        logits = wrapper(seqs[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 128), seqs[:, 1:].reshape(-1)).backward()
+        if wrap:
+            wrapper.finish_gradient_synchronization()
+        opt.step()
+    out = {n: p.detach().clone().numpy() for n, p in net.named_parameters()}
+    if wrap:
+        out["__num_buckets"] = wrapper.num_buckets
+    return out
+
+
+def _job(rank: int, world_size: int, full: bool) -> dict:
+    log: list[int] = []
+    _counting_all_reduce(log)
+    results: dict = {"train": {}, "no_sync": {}}
+    combos = ([(o, z) for o in OPTIMIZERS for z in (True, False)] if full else [("adamw", True)])
+    for kind in WRAPPERS:
+        for opt_name, set_to_none in combos:
+            results["train"][kind, opt_name, set_to_none] = _train_counted(
+                kind, rank, world_size, opt_name, set_to_none, log)
+        results["no_sync"][kind] = _no_sync_run(kind, rank, world_size, log)
+    if full:
+        results["torch_ddp"] = {c: _torch_ddp_run(rank, world_size, *c, autocast=False) for c in combos}
+        results["bf16"] = {"torch_ddp": _torch_ddp_run(rank, world_size, "adamw", True, autocast=True)}
+        for kind in WRAPPERS:
+            net = _build(rank)
+            wrapper = WRAPPERS[kind](net)
+            _train(net, wrapper, "adamw", True, rank, world_size,
+                   sync=wrapper.finish_gradient_synchronization, autocast=True)
+            results["bf16"][kind] = _numpy_state(net)
+        results["misuse"] = _misuse_messages(rank, world_size)
+        results["tiny_lm"] = _tiny_lm_train(rank, world_size, wrap=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[int, list[dict]]:
+    return {2: spawn(_job, 2, True, timeout_s=120.0), 3: spawn(_job, 3, False, timeout_s=120.0)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# single-process references
+# ---------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _reference(opt_name: str, set_to_none: bool) -> dict:
+    net = _build(0)
+    _train(net, net, opt_name, set_to_none, 0, 1)
+    return _numpy_state(net)
+
+
+@functools.cache
+def _reference_initial() -> dict:
+    return _numpy_state(_build(0))
+
+
+def _assert_state_close(got: dict, want: dict, atol: float = 3e-5, rtol: float = 1e-4) -> None:
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        np.testing.assert_allclose(got["params"][name], value, atol=atol, rtol=rtol, err_msg=name)
+    for name, grad in want["grads"].items():
+        assert (got["grads"][name] is None) == (grad is None), f"{name}: grad None-ness differs"
+
+
+def _all_cases(jobs):
+    for world_size, per_rank in jobs.items():
+        for rank, result in enumerate(per_rank):
+            for (kind, opt_name, set_to_none), state in result["train"].items():
+                yield world_size, rank, kind, opt_name, set_to_none, state
+
+
+# ---------------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------------
+
+def test_every_wrapper_trains_like_single_process(jobs):
+    """All wrappers x {SGD, AdamW} x zero_grad(set_to_none True/False), 2 and 3 ranks, every rank."""
+    checked = 0
+    for world_size, rank, kind, opt_name, set_to_none, state in _all_cases(jobs):
+        try:
+            _assert_state_close(state, _reference(opt_name, set_to_none))
+        except AssertionError as exc:
+            raise AssertionError(f"ws={world_size} rank={rank} {kind} {opt_name} "
+                                 f"set_to_none={set_to_none}: {exc}") from None
+        checked += 1
+    assert checked == len(WRAPPERS) * (2 * 4 + 3 * 1)
+
+
+def test_reference_is_sensitive_to_the_rank_initialisations(jobs):
+    """Guards against a vacuous comparison: rank 1's own init differs, and training moved the params."""
+    rank1_init = _numpy_state(_build(1))["params"]["fc2.weight"]
+    assert not np.allclose(rank1_init, _reference_initial()["params"]["fc2.weight"])
+    trained = _reference("adamw", True)["params"]["fc2.weight"]
+    assert not np.allclose(trained, _reference_initial()["params"]["fc2.weight"], atol=1e-3)
+    # and buffers were broadcast from rank 0 as well
+    scale0 = _build(0).scale.numpy()
+    for per_rank in jobs.values():
+        for result in per_rank:
+            np.testing.assert_array_equal(result["train"]["flat", "adamw", True]["scale"], scale0)
+
+
+def test_frozen_unused_and_partially_used_parameters(jobs):
+    initial = _reference_initial()["params"]
+    for world_size, rank, kind, opt_name, set_to_none, state in _all_cases(jobs):
+        for name in FROZEN:  # never communicated, never changed: still rank 0's initial values
+            np.testing.assert_array_equal(state["params"][name], initial[name], err_msg=name)
+            assert state["grads"][name] is None
+        for name in ("unused.weight", "unused.bias"):  # no gradient anywhere: optimizers skip it
+            assert state["grads"][name] is None, (kind, name)
+            np.testing.assert_array_equal(state["params"][name], initial[name], err_msg=name)
+    # step 1 leaves the branch without gradient on every rank; with set_to_none=True AdamW then skips
+    # it (no weight decay), with False it steps on a zero gradient: the references differ, so the
+    # comparison above really checked the None-vs-zero semantics
+    assert not np.allclose(_reference("adamw", True)["params"]["branch.weight"],
+                           _reference("adamw", False)["params"]["branch.weight"], atol=1e-5)
+
+
+def test_ranks_end_identical(jobs):
+    for world_size, per_rank in jobs.items():
+        for key, state in per_rank[0]["train"].items():
+            for other in per_rank[1:]:
+                for name, value in state["params"].items():
+                    np.testing.assert_array_equal(other["train"][key]["params"][name], value,
+                                                  err_msg=f"ws={world_size} {key} {name}")
+
+
+def test_bucket_assignment(jobs):
+    for kind, expected in EXPECTED_BUCKETS.items():
+        assert jobs[2][0]["train"][kind, "sgd", True]["buckets"] == expected, kind
+    assert len(EXPECTED_BUCKETS["bucketed_two"]) == 2
+    assert len(EXPECTED_BUCKETS["bucketed_tiny"]) == len(TRAINABLE)
+
+
+def _expected_calls_per_step(kind: str, grads_anywhere: int) -> int:
+    if kind == "naive":
+        return 1 + grads_anywhere  # flags + one per tensor that has a gradient on some rank
+    if kind == "flat":
+        return 1
+    return len(EXPECTED_BUCKETS[kind])
+
+
+def test_communication_counts_and_overlap(jobs):
+    """Naive/flat communicate only inside finish; hooked ones overlap once their buckets are ready;
+    frozen tensors and the tied duplicate are never sent; last_sync agrees with the observed calls."""
+    for world_size, rank, kind, opt_name, set_to_none, state in _all_cases(jobs):
+        for step, rec in enumerate(state["per_step"]):
+            # step 1: the branch has no gradient anywhere (and with set_to_none=False it still has one)
+            anywhere = 6 if step != 1 or not set_to_none else 4
+            assert rec["total"] == _expected_calls_per_step(kind, anywhere), (kind, step, rec)
+            before, in_finish, nbytes, seconds = rec["stats"]
+            assert (before, before + in_finish) == (rec["before"], rec["total"]), (kind, step, rec)
+            assert nbytes == 4 * rec["numel"] and seconds >= 0.0
+            if kind == "naive":
+                assert rec["numel"] <= TRAINABLE_NUMEL + len(TRAINABLE)
+            else:  # all trainable gradients once plus at most one flag per tensor
+                assert TRAINABLE_NUMEL <= rec["numel"] <= TRAINABLE_NUMEL + len(TRAINABLE)
+            if kind in ("naive", "flat", "bucketed_none", "bucketed_1mb"):
+                assert rec["before"] == 0, (kind, step, rec)
+            elif step == 2:  # everyone uses the branch: all buckets before the unused one launch early
+                assert rec["before"] == rec["total"] - (2 if kind in ("individual", "bucketed_tiny") else 1)
+
+
+def test_no_sync_accumulates_and_communicates_once(jobs):
+    net = _build(0)
+    for step in (0, 1):  # single process: accumulate the two full-batch micro-steps
+        _loss(net, step, 0, 1).backward()
+    want = _numpy_state(net)
+    checked = 0
+    for world_size, per_rank in jobs.items():
+        for result in per_rank:
+            for kind, state in result["no_sync"].items():
+                inside, outside = state["calls"]
+                assert inside == 0, (kind, inside)
+                # the communicated micro-step: grads exist for 6 tensors (branch from micro-step 0)
+                assert outside == _expected_calls_per_step(kind, 6), (kind, outside)
+                for name, grad in want["grads"].items():
+                    if grad is None:
+                        assert state["grads"][name] is None, (kind, name)
+                    else:
+                        np.testing.assert_allclose(state["grads"][name], grad, atol=1e-6, rtol=1e-5,
+                                                   err_msg=f"ws={world_size} {kind} {name}")
+                checked += 1
+    assert checked == len(WRAPPERS) * 5
+
+
+def test_matches_torch_ddp(jobs):
+    for rank_result in jobs[2]:
+        for combo, theirs in rank_result["torch_ddp"].items():
+            _assert_state_close(theirs, _reference(*combo))  # torch DDP itself agrees with the reference
+            for kind in WRAPPERS:
+                _assert_state_close(rank_result["train"][(kind, *combo)], theirs)
+
+
+def test_bf16_autocast_matches_torch_ddp(jobs):
+    for rank_result in jobs[2]:
+        theirs = rank_result["bf16"]["torch_ddp"]
+        for kind in WRAPPERS:
+            ours = rank_result["bf16"][kind]
+            _assert_state_close(ours, theirs, atol=1e-4, rtol=1e-3)
+            assert set(ours["grad_dtypes"].values()) == {"torch.float32"}
+            assert all(v.dtype == np.float32 for v in ours["params"].values())
+        # autocast really changed the numerics (bf16 matmuls), so the comparison is not fp32 vs fp32
+        fp32 = rank_result["train"]["flat", "adamw", True]["params"]["fc2.weight"]
+        assert not np.allclose(theirs["params"]["fc2.weight"], fp32, atol=1e-6, rtol=0)
+
+
+def test_misuse_raises_instead_of_hanging(jobs):
+    for rank_result in jobs[2]:
+        second, forward = rank_result["misuse"]
+        assert "second gradient" in second and "no_sync" in second
+        assert "finish_gradient_synchronization()" in forward
+
+
+def test_tiny_lm_bucketed_matches_single_process(jobs):
+    want = _tiny_lm_train(0, 1, wrap=False)
+    for rank_result in jobs[2]:
+        got = dict(rank_result["tiny_lm"])
+        assert got.pop("__num_buckets") > 2
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# argument errors (parent process: no process group)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [0, -1.5, math.nan])
+def test_bucket_size_must_be_positive(size):
+    with pytest.raises(ValueError, match=rf"bucket_size_mb must be positive.*got {size!r}"):
+        ddp.DDPBucketed(Toy(), size)
+
+
+def test_bucket_size_must_be_a_number():
+    with pytest.raises(TypeError, match=r"bucket_size_mb must be a number or None, got '1'"):
+        ddp.DDPBucketed(Toy(), "1")
+
+
+@pytest.mark.parametrize("cls", [ddp.NaiveDDP, ddp.FlatDDP, ddp.DDPIndividualParameters])
+def test_module_must_be_a_module(cls):
+    with pytest.raises(TypeError, match=r"module must be a torch.nn.Module, got list"):
+        cls([])
+
+
+@pytest.mark.parametrize("make", [ddp.NaiveDDP, ddp.FlatDDP, ddp.DDPIndividualParameters,
+                                  lambda m: ddp.DDPBucketed(m, 25)])
+def test_requires_process_group(make):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"DDP\w* needs an initialized torch.distributed process group"):
+        make(Toy())

@@ -1,0 +1,365 @@
+"""ShardedOptimizer (ZeRO-1) against the unsharded optimizer, on gloo/CPU with 2 and 3 ranks.
+
+Each rank trains the same toy model on its own data; the single-process reference sees every rank's batch
+(mean of the per-rank mean losses, so its gradients equal the averaged gradients).  "broadcast" mode gets
+gradients averaged by the test (a plain all-reduce / world, simulating DDP); "zero1" gets the raw local ones.
+The toy model has a tied embedding / output head, a float32 parameter next to float64 ones (two dtype
+buckets), a 0-dim parameter, a parameter used only on some steps and by some ranks (gradient None on every
+rank, or on some), and a frozen parameter unfrozen with add_param_group after 5 steps.  Flat sizes 115 and 47
+do not divide by 2 or 3, so zero1 pads.  One spawned job per world size runs every check and returns numbers;
+the tests below assert on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cs336_systems.parallel import zero
+from cs336_systems.parallel.launch import SpawnError, spawn
+from cs336_systems.parallel.zero import MODES, ShardedOptimizer
+
+VOCAB, DIM, HIDDEN = 11, 6, 7
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "sgd": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
+}
+FIRST_STEPS, RESUMED_STEPS = 10, 3
+UNFREEZE_AT, HALVE_LR_AT = 5, 3
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.emb = nn.Embedding(VOCAB, DIM, dtype=torch.float64)  # also the output head (tied)
+        self.lin1 = nn.Linear(DIM, HIDDEN, dtype=torch.float64)
+        self.lin2 = nn.Linear(HIDDEN, DIM, bias=False, dtype=torch.float64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))  # float32
+        self.temperature = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))  # 0-dim
+        self.aux = nn.Parameter(torch.randn(4, dtype=torch.float64))  # used on some steps / ranks only
+        self.frozen = nn.Parameter(0.1 * torch.randn(DIM, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        x = self.emb(tokens)  # (B, T, D)
+        h = x + self.lin2(torch.tanh(self.lin1(x)))
+        h = h * self.scale.to(h.dtype) + self.frozen
+        if use_aux:
+            h = h + (x[..., :4] * self.aux).sum(-1, keepdim=True)
+        return self.temperature * h @ self.emb.weight.T  # (B, T, V)
+
+
+def _groups(model: Toy) -> list[dict]:
+    return [
+        {"params": [model.emb.weight, model.lin1.weight, model.lin1.bias]},  # 115 float64 elements
+        {"params": [model.lin2.weight, model.scale, model.temperature, model.aux],  # 47 float64 + 6 float32
+         "lr": 3e-2, "weight_decay": 0.0},
+    ]
+
+
+def _uses_aux(step: int, rank: int) -> bool:
+    # step % 4: 0 -> rank 0 only, 1 -> every rank, 2 and 3 -> no rank (gradient None everywhere)
+    return (step % 4 == 0 and rank == 0) or step % 4 == 1
+
+
+def _local_loss(model: Toy, step: int, rank: int) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1000 * step + rank))
+    logits = model(tokens, _uses_aux(step, rank))
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _average_gradients(model: nn.Module, world: int) -> None:
+    """What DDP (with unused parameters allowed) does: average grads, a missing grad counting as zeros."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(have)
+    for p, n in zip(params, have.tolist()):
+        if n:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
+def _train_step(model: Toy, opt: torch.optim.Optimizer, step: int, world: int,
+                rank: int | None = None, mode: str | None = None) -> None:
+    """rank None: the single-process reference on every rank's batch."""
+    if step == HALVE_LR_AT:
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+    if step == UNFREEZE_AT:
+        model.frozen.requires_grad_(True)
+        opt.add_param_group({"params": [model.frozen], "lr": 2e-2})
+    opt.zero_grad()
+    if rank is None:
+        loss = sum(_local_loss(model, step, r) for r in range(world)) / world
+    else:
+        loss = _local_loss(model, step, rank)
+    loss.backward()
+    if mode == "broadcast":
+        _average_gradients(model, world)
+    opt.step()
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _sharded(model: Toy, opt_name: str, mode: str, unfrozen: bool = False) -> ShardedOptimizer:
+    cls, kwargs = OPTIMIZERS[opt_name]
+    opt = ShardedOptimizer(_groups(model), cls, mode=mode, **kwargs)
+    if unfrozen:
+        model.frozen.requires_grad_(True)
+        opt.add_param_group({"params": [model.frozen], "lr": 2e-2})
+    return opt
+
+
+def _equivalence_case(rank: int, world: int, opt_name: str, mode: str) -> dict:
+    cls, kwargs = OPTIMIZERS[opt_name]
+    total = FIRST_STEPS + RESUMED_STEPS
+    out: dict = {}
+    ref = Toy()
+    out["init"] = _snapshot(ref)
+    ref_opt = cls(_groups(ref), **kwargs)
+    for t in range(total):
+        _train_step(ref, ref_opt, t, world)
+        if t == FIRST_STEPS - 1:
+            out["ref10"], ref_model_sd10 = _snapshot(ref), copy.deepcopy(ref.state_dict())
+            out["ref_opt_sd10"] = copy.deepcopy(ref_opt.state_dict())
+    out["ref13"] = _snapshot(ref)
+
+    model = Toy()
+    opt = _sharded(model, opt_name, mode)
+    for t in range(FIRST_STEPS):
+        _train_step(model, opt, t, world, rank, mode)
+    out["sharded10"] = _snapshot(model)
+    out["state_bytes"] = opt.local_state_bytes()
+
+    shard_file = io.BytesIO()
+    torch.save(opt.state_dict(), shard_file)
+    to = world - 1  # not rank 0, so `to` is honoured
+    opt.consolidate_state_dict(to=to)
+    out["consolidated"] = opt.state_dict() if rank == to else None
+    out["format_elsewhere"] = opt.state_dict().get("format")
+
+    # Resume from this rank's shard: a fresh model and optimizer (params loaded after construction).
+    resumed = Toy()
+    resumed_opt = _sharded(resumed, opt_name, mode, unfrozen=True)
+    resumed.load_state_dict(model.state_dict())
+    shard_file.seek(0)
+    resumed_opt.load_state_dict(torch.load(shard_file, weights_only=True))
+    # Resume from the unsharded reference's checkpoint (the full format).
+    from_full = Toy()
+    from_full_opt = _sharded(from_full, opt_name, mode, unfrozen=True)
+    from_full.load_state_dict(ref_model_sd10)
+    from_full_opt.load_state_dict(copy.deepcopy(out["ref_opt_sd10"]))
+    for t in range(FIRST_STEPS, total):
+        for m, o in ((model, opt), (resumed, resumed_opt), (from_full, from_full_opt)):
+            _train_step(m, o, t, world, rank, mode)
+    out["sharded13"], out["resumed13"] = _snapshot(model), _snapshot(resumed)
+    out["from_full13"] = _snapshot(from_full)
+    out["format_after_step"] = opt.state_dict().get("format")
+    return out
+
+
+def _memory_case(rank: int, world: int, mode: str) -> dict:
+    g = torch.Generator().manual_seed(7)
+    sizes = torch.randint(1, 101, (24,), generator=g).tolist()
+    params = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = ShardedOptimizer(params, torch.optim.AdamW, mode=mode, lr=1e-3)
+    ref = torch.optim.AdamW(ref_params, lr=1e-3)
+    for p in params + ref_params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ref.step()
+    ref_bytes = sum(v.numel() * v.element_size() for s in ref.state.values() for v in s.values())
+    return {"bytes": opt.local_state_bytes(), "ref_bytes": ref_bytes, "max_numel": max(sizes)}
+
+
+def _fallback_case(rank: int, world: int) -> dict:
+    """The gloo fallback (all-reduce + slice) against the real reduce-scatter, and a whole zero1 run on it."""
+    x = torch.arange(world * 5, dtype=torch.float64) * (rank + 1)
+    expected = torch.arange(world * 5, dtype=torch.float64).view(world, 5)[rank] * (world * (world + 1) / 2)
+    via_all_reduce, native = torch.empty(5, dtype=torch.float64), torch.empty(5, dtype=torch.float64)
+    zero.reduce_scatter_via_all_reduce(via_all_reduce, x.clone())
+    zero.reduce_scatter_sum(native, x.clone())
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("simulated: this gloo build has no flat reduce_scatter / all_gather")
+
+    saved = zero._reduce_scatter_flat, zero._all_gather_flat
+    zero._reduce_scatter_flat = zero._all_gather_flat = refuse
+    try:
+        ref, model = Toy(), Toy()
+        ref_opt = torch.optim.SGD(_groups(ref), lr=5e-2, momentum=0.9)
+        opt = ShardedOptimizer(_groups(model), torch.optim.SGD, mode="zero1", lr=5e-2, momentum=0.9)
+        for t in range(4):
+            _train_step(ref, ref_opt, t, world)
+            _train_step(model, opt, t, world, rank, "zero1")
+        fell_back = (zero._native_reduce_scatter.get("gloo"), zero._native_all_gather.get("gloo"))
+    finally:
+        zero._reduce_scatter_flat, zero._all_gather_flat = saved
+        zero._native_reduce_scatter.clear()
+        zero._native_all_gather.clear()
+    return {"via_all_reduce": via_all_reduce, "native": native, "expected": expected, "fell_back": fell_back,
+            "ref": _snapshot(ref), "sharded": _snapshot(model)}
+
+
+def _error_message(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _error_cases(rank: int, world: int) -> dict:
+    out = {}
+    # Ranks that disagree on the parameters: every rank raises (instead of hanging on mismatched collectives).
+    mismatched = [nn.Parameter(torch.zeros(3)) for _ in range(1 if rank == 0 else 2)]
+    out["mismatched"] = _error_message(lambda: ShardedOptimizer(mismatched, torch.optim.SGD, lr=0.1))
+    params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(4))]
+    by_mode = {mode: ShardedOptimizer(params, torch.optim.SGD, mode=mode, lr=0.1, momentum=0.9) for mode in MODES}
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for opt in by_mode.values():
+        opt.step()
+    wrong_rank = by_mode["zero1"].state_dict()
+    wrong_rank["rank"] = (rank + 1) % world
+    out["wrong_rank"] = _error_message(lambda: by_mode["zero1"].load_state_dict(wrong_rank))
+    out["wrong_mode"] = _error_message(lambda: by_mode["zero1"].load_state_dict(by_mode["broadcast"].state_dict()))
+    out["bad_to"] = _error_message(lambda: by_mode["zero1"].consolidate_state_dict(to=world))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about duplicates before we raise
+        out["duplicate"] = _error_message(lambda: ShardedOptimizer([params[0]] * 2, torch.optim.SGD, lr=0.1))
+    return out
+
+
+def _job(rank: int, world: int) -> bytes:
+    results: dict = {"equivalence": {}, "memory": {}}
+    for opt_name in OPTIMIZERS:
+        for mode in MODES:
+            results["equivalence"][opt_name, mode] = _equivalence_case(rank, world, opt_name, mode)
+    for mode in MODES:
+        results["memory"][mode] = _memory_case(rank, world, mode)
+    results["fallback"] = _fallback_case(rank, world)
+    results["errors"] = _error_cases(rank, world)
+    # Serialized: tensors sent through spawn's queue as-is travel by shared-memory file descriptors, which
+    # die with the worker process before the parent reads them.
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    return buffer.getvalue()
+
+
+_JOBS: dict[int, list[dict] | SpawnError] = {}
+
+
+def _results(world: int) -> list[dict]:
+    """One spawned job per world size, shared by the tests below (a failed job fails them without re-running)."""
+    if world not in _JOBS:
+        try:
+            _JOBS[world] = [torch.load(io.BytesIO(blob), weights_only=False)
+                            for blob in spawn(_job, world, timeout_s=120.0)]
+        except SpawnError as error:
+            _JOBS[world] = error
+    if isinstance(_JOBS[world], SpawnError):
+        raise _JOBS[world]
+    return _JOBS[world]
+
+
+WORLDS = (2, 3)
+CASES = [(w, o, m) for w in WORLDS for o in OPTIMIZERS for m in MODES]
+
+
+@pytest.mark.parametrize("world, opt_name, mode", CASES)
+def test_matches_unsharded_optimizer(world, opt_name, mode):
+    by_rank = [r["equivalence"][opt_name, mode] for r in _results(world)]
+    ref10 = by_rank[0]["ref10"]
+    # the run moved every trained parameter far beyond the tolerance (or the comparison would prove nothing)
+    moved = {n: (ref10[n] - by_rank[0]["init"][n]).abs().max().item() for n in ref10}
+    assert min(moved[n] for n in moved if n != "frozen") > 1e-3 and moved["frozen"] > 1e-3, moved
+    for rank, res in enumerate(by_rank):
+        torch.testing.assert_close(res["sharded10"], ref10, msg=lambda m: f"rank {rank}, step 10: {m}")
+        torch.testing.assert_close(res["sharded13"], by_rank[0]["ref13"], msg=lambda m: f"rank {rank}: {m}")
+        for name, value in res["sharded13"].items():  # every rank holds bit-identical parameters
+            assert torch.equal(value, by_rank[0]["sharded13"][name]), (rank, name)
+
+
+@pytest.mark.parametrize("world, opt_name, mode", CASES)
+def test_state_dict_round_trip_and_full_load(world, opt_name, mode):
+    for rank, res in enumerate(_results(world)):
+        res = res["equivalence"][opt_name, mode]
+        for name, value in res["resumed13"].items():  # resuming from the shard is exact
+            assert torch.equal(value, res["sharded13"][name]), (rank, name)
+        # resuming from the unsharded optimizer's checkpoint continues the reference run
+        torch.testing.assert_close(res["from_full13"], res["ref13"])
+
+
+@pytest.mark.parametrize("world, opt_name, mode", CASES)
+def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mode):
+    by_rank = [r["equivalence"][opt_name, mode] for r in _results(world)]
+    full, ref = by_rank[-1]["consolidated"], by_rank[-1]["ref_opt_sd10"]
+    assert full["param_groups"] == ref["param_groups"]
+    assert sorted(full["state"]) == sorted(ref["state"])
+    for index, state in ref["state"].items():
+        assert sorted(full["state"][index]) == sorted(state), index
+        torch.testing.assert_close(full["state"][index], state, msg=lambda m: f"param {index}: {m}")
+    assert all(r["consolidated"] is None and r["format_elsewhere"] == zero.LOCAL_FORMAT for r in by_rank[:-1])
+    assert by_rank[-1]["format_after_step"] == zero.LOCAL_FORMAT  # a step makes the consolidated copy stale
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_state_memory_is_split_across_ranks(world, mode):
+    by_rank = [r["memory"][mode] for r in _results(world)]
+    ref_bytes, max_numel = by_rank[0]["ref_bytes"], by_rank[0]["max_numel"]
+    step_bytes = 4  # AdamW's per-tensor step counter (float32 scalar)
+    moments = 2 * 4  # exp_avg + exp_avg_sq per float32 element
+    # broadcast: greedy keeps loads within one largest tensor; zero1: within the padding (+ split counters)
+    slack = max_numel * moments + 24 * step_bytes if mode == "broadcast" else (world - 1) * (moments + step_bytes)
+    for rank, res in enumerate(by_rank):
+        assert abs(res["bytes"] - ref_bytes / world) <= slack, (rank, res["bytes"], ref_bytes / world, slack)
+    extra = sum(r["bytes"] for r in by_rank) - ref_bytes  # no element's state is held twice
+    assert 0 <= extra <= (world - 1) * step_bytes * (mode == "zero1"), extra
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gloo_fallback_reduce_scatter(world):
+    for rank, res in enumerate(_results(world)):
+        res = res["fallback"]
+        torch.testing.assert_close(res["via_all_reduce"], res["expected"])
+        torch.testing.assert_close(res["native"], res["expected"])
+        assert res["fell_back"] == (False, False)
+        torch.testing.assert_close(res["sharded"], res["ref"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_distributed_errors(world):
+    for res in _results(world):
+        errors = res["errors"]
+        assert errors["mismatched"].startswith("ValueError") and "different parameters" in errors["mismatched"]
+        assert errors["wrong_rank"].startswith("ValueError") and "rank=" in errors["wrong_rank"]
+        assert errors["wrong_mode"].startswith("ValueError") and "mode=" in errors["wrong_mode"]
+        assert errors["bad_to"].startswith("ValueError") and "to must be" in errors["bad_to"]
+        assert errors["duplicate"].startswith("ValueError") and "twice" in errors["duplicate"]
+
+
+def test_errors_without_process_group():
+    params = [nn.Parameter(torch.zeros(3))]
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="mode.*'zero3'"):
+        ShardedOptimizer(params, torch.optim.SGD, mode="zero3", lr=0.1)
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        ShardedOptimizer(params, nn.Linear, lr=0.1)
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        ShardedOptimizer(params, torch.optim.SGD(params, lr=0.1), lr=0.1)
