@@ -332,3 +332,39 @@ def run_pytest_benchmark(
         return Measurement("ok", warmup, times, peak_memory_bytes(device))
     free_memory(device)
     return Measurement("oom", warmup, error=error)
+
+
+class _ReplayClock:
+    """A timer whose successive reads are 0, t1, t1, t1+t2, t1+t2, ...: read in (start, end) pairs by
+    pytest-benchmark's pedantic runner, it yields exactly the durations t1, t2, ... it was given."""
+
+    def __init__(self, times: tuple[float, ...]) -> None:
+        self._reads = []
+        total = 0.0
+        for t in times:
+            self._reads += [total, total + t]
+            total += t
+        self._next = 0
+
+    def __call__(self) -> float:
+        if self._next >= len(self._reads):
+            raise RuntimeError("replay clock read more often than two reads per recorded round")
+        value = self._reads[self._next]
+        self._next += 1
+        return value
+
+
+def record_measured_times(benchmark, times_s: tuple[float, ...] | list[float]) -> None:
+    """Record per-round times measured elsewhere (other processes) as pytest-benchmark rounds.
+
+    Multi-process cases time their rounds in the worker processes with this harness (`measure`, i.e.
+    synchronized clock, warm-up, OOM capture) and reduce them across ranks (the slowest rank per round,
+    `cs336_systems.parallel.timing`).  This hands those durations to pytest-benchmark unchanged, one
+    round each, through its own pedantic runner with a replaying timer, so its statistics, JSON,
+    ``--benchmark-compare`` and reports treat them like any other case.  Nothing is timed here.
+    """
+    times = tuple(float(t) for t in times_s)
+    if not times or any(t < 0 for t in times):
+        raise ValueError(f"times_s must be a non-empty sequence of durations >= 0, got {list(times)!r}")
+    benchmark._timer = _ReplayClock(times)
+    benchmark.pedantic(lambda: None, rounds=len(times), iterations=1, warmup_rounds=0)

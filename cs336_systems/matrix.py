@@ -148,12 +148,53 @@ _ATTENTION_GRID = {
     "group": Key(_string, axis=False, required=False, default="default"),
 }
 
+def _positive_number(value: object, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise MatrixError(f"{where}: expected a positive number, got {value!r}")
+    return value
+
+
+def _data_parallel_variants() -> tuple[str, ...]:
+    from cs336_systems.parallel.train_workloads import VARIANTS
+    return VARIANTS
+
+
+# Collectives (cs336_systems.parallel.comm): one all-reduce of a float32 tensor of size_mb MiB on
+# world_size ranks (spawned locally, or the torchrun job's ranks), inner_iters back-to-back per round.
+_ALLREDUCE_GRID = {
+    "backends": Key(_one_of(("gloo", "nccl")), axis=True),
+    "sizes_mb": Key(_positive_number, axis=True),
+    "world_sizes": Key(_positive_int, axis=True),
+    "inner_iters": Key(_positive_int, axis=False, required=False, default=1),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
+# Data-parallel training steps (cs336_systems.parallel.train_workloads): LM size x context x per-rank
+# batch x precision x variant (x bucket size for the bucketed variants; null = not bucketed / one bucket).
+_DATA_PARALLEL_GRID = {
+    "variants": Key(_one_of(_data_parallel_variants), axis=True),
+    "bucket_sizes_mb": Key(_optional(_positive_number), axis=True, required=False, default=[None]),
+    "sizes": Key(_one_of(lambda: list(SIZES)), axis=True),
+    "contexts": Key(_positive_int, axis=True),
+    "batch_sizes": Key(_positive_int, axis=True),
+    "precisions": Key(_one_of(tuple(PRECISIONS)), axis=True),
+    "world_sizes": Key(_positive_int, axis=True),
+    "backends": Key(_one_of(("gloo", "nccl")), axis=True),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
 SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
     "end_to_end": _LM_GRID,
     "warmup_study": _WARMUP_GRID,
     "attention": _ATTENTION_GRID,
     "flash": _ATTENTION_GRID,
     "leaderboard": _ATTENTION_GRID,
+    "allreduce": _ALLREDUCE_GRID,
+    "data_parallel": _DATA_PARALLEL_GRID,
 }
 
 # Axis key (plural, in the JSON) -> case field (singular, in the expanded case).
@@ -172,6 +213,11 @@ _SINGULAR = {
     "head_dims": "head_dim",
     "dtypes": "dtype",
     "causal": "causal",
+    "backends": "backend",
+    "sizes_mb": "size_mb",
+    "world_sizes": "world_size",
+    "variants": "variant",
+    "bucket_sizes_mb": "bucket_size_mb",
 }
 
 

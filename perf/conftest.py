@@ -14,16 +14,30 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
   ``"flush_l2": true`` (`benchmarking.L2Flush`: a cold L2 each round, as triton.testing.do_bench);
 * turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
   so reports show OOM cells and comparisons never treat a missing time as a speed-up.
+
+Multi-process cases (suites ``allreduce`` and ``data_parallel``) take the ``dist_bench`` fixture
+instead: ``dist_bench(body, case=case)`` runs the collective ``body(device, case)`` on every rank, where
+each rank times its rounds with the same harness and the slowest rank's time per round is kept
+(`cs336_systems.parallel.timing`); rank 0's times are then recorded as this case's pytest-benchmark
+rounds (`benchmarking.record_measured_times`).  The ranks come from one of two places:
+
+* a plain ``pytest perf/`` spawns ``world_size`` local processes per case (gloo on the CPU, or NCCL with
+  one GPU each; cases needing more GPUs than present are skipped with the reason);
+* under torchrun (``torchrun --nproc-per-node=N [--nnodes=M ...] -m pytest perf/ ...``) every rank runs
+  the same session; the process group is the job's (env:// rendezvous, one per session), cases whose
+  world_size or backend differ from the job's are skipped, and only rank 0 writes JSON / autosaves.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from cs336_systems import benchmarking, flops, gates, machine, matrix
+from cs336_systems.parallel import launch
 
 OOM_KEY = pytest.StashKey[list]()
 RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this session, for the ratio gates
@@ -52,7 +66,9 @@ def _load_matrix(config: pytest.Config) -> matrix.Matrix:
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("attention", "{}"), ("warmup", "w{}"), ("flush_l2", None),
+    ("causal", None), ("compile", None), ("attention", "{}"), ("backend", "{}"), ("variant", "{}"),
+    ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"), ("warmup", "w{}"),
+    ("flush_l2", None),
 )
 
 
@@ -90,10 +106,38 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
 
 
+def torchrun_rank() -> int | None:
+    """This process's global rank when launched by torchrun (None for a plain pytest run)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return int(os.environ.get("RANK", "0"))
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
     config.stash[OOM_KEY] = []
     config.stash[RESULTS_KEY] = []
+    rank = torchrun_rank()
+    if rank not in (None, 0):
+        # Every rank runs the same cases; only rank 0 saves (one file, no races, no duplicate autosaves).
+        for option, off in (("benchmark_json", None), ("benchmark_autosave", False), ("benchmark_save", None)):
+            if hasattr(config.option, option):
+                setattr(config.option, option, off)
+
+
+@pytest.fixture(scope="session")
+def torchrun_context():
+    """The torchrun job's process group (initialized once per session), or None outside torchrun."""
+    if torchrun_rank() is None:
+        yield None
+        return
+    # CS336_DIST_TIMEOUT_S bounds every collective, so a hung case fails instead of stalling the job.
+    ctx = launch.init_from_env(timeout_s=float(os.environ.get("CS336_DIST_TIMEOUT_S", "600")))
+    yield ctx
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _peak_for(precision: str, peak_override: float | None) -> float | None:
@@ -149,6 +193,54 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
             benchmark.extra_info["tflops"] = flops_per_step / median / 1e12
             benchmark.extra_info["peak_tflops"] = peak
             benchmark.extra_info["mfu"] = flops.mfu(flops_per_step, median, peak)
+        return result
+
+    return run
+
+
+# Generous: XL models take a while to build and warm up; a hung collective still ends the case.
+_SPAWN_TIMEOUT_S = {"allreduce": 300.0, "data_parallel": 900.0}
+
+
+@pytest.fixture
+def dist_bench(benchmark, request: pytest.FixtureRequest, torchrun_context):
+    """``dist_bench(body, *, case) -> dict``: run a collective benchmark body on world_size ranks and record
+    rank 0's slowest-rank round times as this case's rounds (see the module docstring)."""
+
+    def run(body, *, case: dict) -> dict:
+        world, backend = case["world_size"], case["backend"]
+        benchmark.extra_info.update(case)
+        if torchrun_context is not None:
+            if world != torchrun_context.world_size or backend != torchrun_context.backend:
+                pytest.skip(f"case needs world_size={world}, backend={backend}; this torchrun job has "
+                            f"world_size={torchrun_context.world_size}, backend={torchrun_context.backend}")
+            result = body(torchrun_context.device, case)
+        else:
+            if backend == "nccl" and torch.cuda.device_count() < world:
+                pytest.skip(f"needs {world} GPUs for NCCL; {torch.cuda.device_count()} visible")
+            try:
+                result = launch.spawn(launch.run_case_on_local_device, world, body, case, backend=backend,
+                                      timeout_s=_SPAWN_TIMEOUT_S.get(case["suite"], 600.0))[0]
+            except launch.SpawnError as exc:
+                if not benchmarking.is_out_of_memory(RuntimeError(str(exc))):
+                    raise
+                result = {"status": "oom", "error": str(exc).strip().splitlines()[-1]}
+        benchmark.extra_info["status"] = result["status"]
+        benchmark.extra_info["device"] = "cuda" if backend == "nccl" else "cpu"
+        if result["status"] != "ok":
+            request.config.stash[OOM_KEY].append(
+                {"name": request.node.name, "fullname": request.node.nodeid, "extra_info": dict(case),
+                 "error": result.get("error")}
+            )
+            pytest.skip(f"OOM (recorded in the saved JSON): {result.get('error')}")
+        benchmarking.record_measured_times(benchmark, result["times_s"])
+        benchmark.extra_info.update(result.get("extra_info", {}))
+        if result.get("peak_memory_bytes") is not None:
+            benchmark.extra_info["peak_memory_gib"] = result["peak_memory_bytes"] / 2**30
+        stats = benchmarking.Stats.of(result["times_s"])
+        request.config.stash[RESULTS_KEY].append(
+            {**case, "stats": {"median": stats.median, "mean": stats.mean, "min": stats.min}}
+        )
         return result
 
     return run

@@ -96,6 +96,8 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, bound before NCCL creates its communicator
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
@@ -120,6 +122,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' with world_size={world_size} needs that many GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="cs336-spawn-") as tmp:
@@ -178,3 +185,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     if failure is not None:
         raise SpawnError(failure)
     return [_from_bytes(collected[r][1]) for r in range(world_size)]
+
+
+def run_case_on_local_device(rank: int, world_size: int, body: Callable[[torch.device, dict], Any],
+                             case: dict) -> Any:
+    """A `spawn` target for collective benchmark bodies: ``body(device, case)`` on this rank's device
+    (``cuda:<rank>`` under NCCL, the CPU under gloo)."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return body(device, case)
