@@ -117,12 +117,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
     config.stash[OOM_KEY] = []
     config.stash[RESULTS_KEY] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
     rank = torchrun_rank()
-    if rank not in (None, 0):
+    bench_session = getattr(session.config, "_benchmarksession", None)
+    if rank not in (None, 0) and bench_session is not None:
         # Every rank runs the same cases; only rank 0 saves (one file, no races, no duplicate autosaves).
-        for option, off in (("benchmark_json", None), ("benchmark_autosave", False), ("benchmark_save", None)):
-            if hasattr(config.option, option):
-                setattr(config.option, option, off)
+        bench_session.json = None
+        bench_session.save = None
+        bench_session.autosave = None
 
 
 @pytest.fixture(scope="session")
