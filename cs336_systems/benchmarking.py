@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -335,15 +336,12 @@ def run_pytest_benchmark(
 
 
 class _ReplayClock:
-    """A timer whose successive reads are 0, t1, t1, t1+t2, t1+t2, ...: read in (start, end) pairs by
-    pytest-benchmark's pedantic runner, it yields exactly the durations t1, t2, ... it was given."""
+    """A timer whose successive reads are 0, t1, 0, t2, ...: read in (start, end) pairs by pytest-benchmark's
+    pedantic runner, it yields exactly the durations t1, t2, ... it was given (end - start == tk, bit for
+    bit; running sums would round)."""
 
     def __init__(self, times: tuple[float, ...]) -> None:
-        self._reads = []
-        total = 0.0
-        for t in times:
-            self._reads += [total, total + t]
-            total += t
+        self._reads = [value for t in times for value in (0.0, t)]
         self._next = 0
 
     def __call__(self) -> float:
@@ -364,7 +362,7 @@ def record_measured_times(benchmark, times_s: tuple[float, ...] | list[float]) -
     ``--benchmark-compare`` and reports treat them like any other case.  Nothing is timed here.
     """
     times = tuple(float(t) for t in times_s)
-    if not times or any(t < 0 for t in times):
-        raise ValueError(f"times_s must be a non-empty sequence of durations >= 0, got {list(times)!r}")
+    if not times or not all(math.isfinite(t) and t >= 0 for t in times):
+        raise ValueError(f"times_s must be a non-empty sequence of finite durations >= 0, got {list(times)!r}")
     benchmark._timer = _ReplayClock(times)
     benchmark.pedantic(lambda: None, rounds=len(times), iterations=1, warmup_rounds=0)

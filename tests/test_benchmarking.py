@@ -259,3 +259,97 @@ def test_cuda_real_oom_is_recorded_and_memory_released():
     held.clear()
     benchmarking.free_memory(device)
     assert torch.cuda.memory_allocated(device) == before
+
+
+# --- record_measured_times: rounds timed elsewhere (other processes), replayed into pytest-benchmark ---------
+
+REPLAY_TESTS = '''
+import pytest
+from cs336_systems.benchmarking import record_measured_times
+
+
+def test_decimal_times(benchmark):
+    record_measured_times(benchmark, [0.1, 0.3, 0.2])
+
+
+def test_binary_fraction_times(benchmark):
+    record_measured_times(benchmark, (0.5, 0.25, 1.0, 0.125))
+
+
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")  # the point: nothing is recorded
+@pytest.mark.parametrize("times", [[], (), [0.1, -0.2], [-1e-9]])
+def test_bad_times_record_nothing(benchmark, times):
+    with pytest.raises(ValueError, match="times_s must be a non-empty sequence of finite durations >= 0"):
+        record_measured_times(benchmark, times)
+    assert benchmark.stats is None
+'''
+
+
+def _replayed_benchmarks(pytester, monkeypatch) -> dict:
+    """Run REPLAY_TESTS in an isolated pytest session; return {test name: its --benchmark-json entry}."""
+    import json
+    from pathlib import Path
+
+    # Under `pytest -n`, xdist's variables would leak into the inner session and disable pytest-benchmark.
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
+    root = Path(__file__).resolve().parent.parent
+    pytester.makeconftest((root / "conftest.py").read_text())
+    pytester.makepyfile(test_replay=REPLAY_TESTS)
+    result = pytester.runpytest_subprocess("--benchmark-json=out.json", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=6, warnings=0)
+    data = json.loads((pytester.path / "out.json").read_text())
+    return {b["name"]: b for b in data["benchmarks"]}
+
+
+def _assert_stats_are(stats: dict, times: list[float], exact: bool) -> None:
+    same = (lambda a, b: a == b) if exact else (lambda a, b: a == pytest.approx(b, rel=1e-12, abs=0))
+    assert stats["rounds"] == len(times) and stats["iterations"] == 1
+    assert len(stats["data"]) == len(times)
+    assert all(same(a, b) for a, b in zip(stats["data"], times)), stats["data"]  # in the order given
+    assert same(stats["min"], min(times)) and same(stats["max"], max(times))
+    assert same(stats["median"], statistics.median(times))
+    assert stats["mean"] == pytest.approx(statistics.fmean(times), rel=1e-12)  # summation order may round
+
+
+def test_record_measured_times_become_the_rounds_of_the_saved_json(pytester, monkeypatch):
+    benchmarks = _replayed_benchmarks(pytester, monkeypatch)
+    assert set(benchmarks) == {"test_decimal_times", "test_binary_fraction_times"}  # bad input: nothing saved
+    _assert_stats_are(benchmarks["test_binary_fraction_times"]["stats"], [0.5, 0.25, 1.0, 0.125], exact=True)
+    _assert_stats_are(benchmarks["test_decimal_times"]["stats"], [0.1, 0.3, 0.2], exact=True)
+
+
+class _PedanticRecorder:
+    """Stands in for pytest-benchmark's fixture: pedantic reads ``_timer`` before and after each round
+    (pytest-benchmark 5's runner: start = timer(); target(); end = timer()) and keeps end - start."""
+
+    def __init__(self):
+        self._timer = None
+        self.data = None
+
+    def pedantic(self, target, rounds, iterations, warmup_rounds, setup=None):
+        assert iterations == 1 and warmup_rounds == 0 and setup is None
+        self.data = []
+        for _ in range(rounds):
+            start = self._timer()
+            target()
+            self.data.append(self._timer() - start)
+
+
+def test_record_measured_times_replays_decimal_times_exactly():
+    fake = _PedanticRecorder()
+    benchmarking.record_measured_times(fake, [0.1, 0.3, 0.2])
+    assert fake.data == [0.1, 0.3, 0.2]
+
+
+def test_record_measured_times_reads_the_clock_twice_per_round_only():
+    fake = _PedanticRecorder()
+    benchmarking.record_measured_times(fake, [0.5, 0.25])
+    assert fake.data == [0.5, 0.25]
+    with pytest.raises(RuntimeError, match="replay clock read more often"):
+        fake._timer()  # a fifth read: pytest-benchmark reading more than (start, end) per round is caught
+
+
+def test_record_measured_times_rejects_nan():
+    with pytest.raises(ValueError, match="times_s"):
+        benchmarking.record_measured_times(_PedanticRecorder(), [0.1, float("nan")])

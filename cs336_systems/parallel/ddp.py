@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -84,21 +85,41 @@ class SyncStats:
 # ---------------------------------------------------------------------------------------------------
 
 def _pack(params: list[nn.Parameter]) -> torch.Tensor:
-    """-> (sum(numel) + len(params),) buffer in the params' dtype: flattened grads, then 0/1 flags."""
+    """-> (sum(numel) + len(params),) buffer in the params' dtype: flattened grads, then 0/1 flags.
+
+    Built with device ops only (no host -> device copy of the flags, which would block the CPU until the
+    device caught up: called from backward hooks, that would stall every kernel launch behind it).
+    """
     first = params[0]
     pieces = [
         p.grad.reshape(-1) if p.grad is not None
         else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
         for p in params
     ]
-    flags = torch.tensor([p.grad is not None for p in params], dtype=first.dtype, device=first.device)
+    flags = torch.ones(len(params), dtype=first.dtype, device=first.device)
+    for i, p in enumerate(params):
+        if p.grad is None:
+            flags[i] = 0  # a device fill, no synchronization
     return torch.cat(pieces + [flags])
 
 
-def _unpack(params: list[nn.Parameter], buf: torch.Tensor, world_size: int) -> None:
-    """Average the all-reduced ``buf`` (see _pack) and write it into ``p.grad`` where any rank had one."""
-    buf.div_(world_size)  # the flags get divided too; only their sign is read
-    present = (buf[-len(params):] > 0).tolist()  # one host sync per buffer, not per tensor
+def _present_flags(buffers: list[tuple[list[nn.Parameter], torch.Tensor]]) -> list[list[bool]]:
+    """Per buffer, which tensors had a gradient on some rank: one device -> host read for all buffers."""
+    if not buffers:
+        return []
+    flags = torch.cat([buf[-len(params):].float() for params, buf in buffers]).gt(0).tolist()
+    out, offset = [], 0
+    for params, _ in buffers:
+        out.append(flags[offset:offset + len(params)])
+        offset += len(params)
+    return out
+
+
+def _unpack(params: list[nn.Parameter], buf: torch.Tensor, world_size: int, present: list[bool]) -> None:
+    """Write the average of the all-reduced ``buf`` (see _pack) into ``p.grad`` where any rank had one.
+
+    The division by the world size is fused into the copy out (one pass over the gradients, not two).
+    """
     offset = 0
     for p, has_grad in zip(params, present):
         piece = buf[offset:offset + p.numel()].view(p.shape)
@@ -106,9 +127,9 @@ def _unpack(params: list[nn.Parameter], buf: torch.Tensor, world_size: int) -> N
         if not has_grad:
             continue  # no rank produced a gradient: keep None, as single-process training would
         if p.grad is None:
-            p.grad = piece.clone()  # a clone, so the step's flat buffer is not kept alive by a view
+            p.grad = piece / world_size  # a new tensor, so the step's flat buffer is not kept alive
         else:
-            p.grad.copy_(piece)
+            torch.div(piece, world_size, out=p.grad)
 
 
 def _check_module(module: object, who: str) -> nn.Module:
@@ -242,9 +263,11 @@ class FlatDDP(_DDPBase):
     def _finish(self) -> None:
         buffers = [_pack(group) for group in self._groups]
         works = [self._all_reduce(buf, async_op=True) for buf in buffers]  # overlap the dtype groups
-        for group, buf, work in zip(self._groups, buffers, works):
+        for work in works:
             work.wait()
-            _unpack(group, buf, self.world_size)
+        pairs = list(zip(self._groups, buffers))
+        for (group, buf), present in zip(pairs, _present_flags(pairs)):
+            _unpack(group, buf, self.world_size, present)
 
 
 class _HookedBucketDDP(_DDPBase):
@@ -259,8 +282,17 @@ class _HookedBucketDDP(_DDPBase):
         self._buckets = [[self._params[i] for i in bucket] for bucket in buckets]
         self._bucket_of = {id(self._params[i]): b for b, bucket in enumerate(buckets) for i in bucket}
         self._reset_step()
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for p in self._params]
+        # The hooks live on the parameters (C++ side, invisible to Python's cycle collector): a hook that
+        # referenced the wrapper strongly would keep wrapper, model and gradients alive forever.  They
+        # hold a weak reference and do nothing once the wrapper is gone.
+        owner = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            wrapper = owner()
+            if wrapper is not None:
+                wrapper._on_grad_ready(param)
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
 
     @property
     def num_buckets(self) -> int:
@@ -312,9 +344,11 @@ class _HookedBucketDDP(_DDPBase):
             # Buckets still waiting hold a parameter that got no gradient on this rank: launch them now.
             while self._next < len(self._buckets):
                 self._launch(self._next)
-            for params, buf, work in self._in_flight:
+            for _, _, work in self._in_flight:
                 work.wait()
-                _unpack(params, buf, self.world_size)
+            pairs = [(params, buf) for params, buf, _ in self._in_flight]
+            for (params, buf), present in zip(pairs, _present_flags(pairs)):
+                _unpack(params, buf, self.world_size, present)
         finally:
             self._reset_step()
 

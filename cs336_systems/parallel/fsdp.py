@@ -69,6 +69,7 @@ gives the full tensors.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -198,8 +199,17 @@ class FSDP(nn.Module):
 
         # Replicated parameters: average their gradients as soon as autograd has accumulated them.
         self._replicated = [p for p in module.parameters() if id(p) not in self._shard_of and p.requires_grad]
+        # Parameter hooks live on the C++ side, out of reach of Python's cycle collector: a strong
+        # reference to self would keep the wrapper (and every gathered buffer it owns) alive forever.
+        owner = weakref.ref(self)
+
+        def on_replicated_grad(param: torch.Tensor) -> None:
+            wrapper = owner()
+            if wrapper is not None:
+                wrapper._on_replicated_grad(param)
+
         for p in self._replicated:
-            p.register_post_accumulate_grad_hook(self._on_replicated_grad)
+            p.register_post_accumulate_grad_hook(on_replicated_grad)
 
         self._pending_rs: list[tuple[Any, _ShardedWeight, torch.Tensor, torch.Tensor]] = []
         self._pending_ar: list[tuple[Any, nn.Parameter]] = []
