@@ -217,3 +217,64 @@ def test_malformed_attention_grids_name_the_problem(data, mutate, match):
     mutate(data)
     with pytest.raises(MatrixError, match=match):
         matrix.parse(data)
+
+
+# --- distributed suites ------------------------------------------------------------------------------
+
+def _dist_grid(d, suite, profile="gpu", index=0):
+    return d["suites"][suite]["profiles"][profile][index]
+
+
+def test_allreduce_profiles_cover_the_issue_grid(data):
+    m = matrix.parse(data)
+    gpu = {(c["backend"], c["size_mb"], c["world_size"]) for c in m.cases("allreduce", "gpu")}
+    for backend in ("nccl", "gloo"):
+        for size in (1, 10, 100, 1024):
+            for world in (2, 4, 6):
+                assert (backend, size, world) in gpu
+    cpu = m.cases("allreduce", "cpu")
+    assert {c["backend"] for c in cpu} == {"gloo"}  # CI has no GPU
+    assert max(c["size_mb"] for c in cpu) <= 100 and {c["world_size"] for c in cpu} == {2, 4}
+
+
+def test_data_parallel_gpu_profile_is_the_issue_setup(data):
+    cases = matrix.parse(data).cases("data_parallel", "gpu")
+    assert {(c["size"], c["context"], c["batch_size"], c["world_size"]) for c in cases} == {("xl", 512, 2, 2)}
+    assert {c["precision"] for c in cases} == {"fp32", "bf16"}
+    buckets = {c["bucket_size_mb"] for c in cases if c["variant"] == "bucketed"}
+    assert {1, 10, 100, 1000} <= buckets
+    for baseline in ("none", "torch-ddp", "naive", "flat", "individual", "zero1", "fsdp", "torch-zero"):
+        assert any(c["variant"] == baseline for c in cases), baseline
+    # a bucket size only on the variants that have buckets
+    assert all(c["bucket_size_mb"] is None for c in cases if c["variant"] not in ("bucketed", "zero-broadcast"))
+
+
+def test_data_parallel_cpu_profile_runs_every_variant(data):
+    from cs336_systems.parallel.train_workloads import VARIANTS
+
+    cases = matrix.parse(data).cases("data_parallel", "cpu")
+    assert {c["variant"] for c in cases} == set(VARIANTS)
+    assert {c["backend"] for c in cases} == {"gloo"} and {c["size"] for c in cases} == {"tiny"}
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _dist_grid(d, "allreduce").update(backends=["mpi"]),
+         r"allreduce\.profiles\.gpu\[0\]\.backends\[0\]: unknown value 'mpi'; valid: gloo, nccl"),
+        (lambda d: _dist_grid(d, "allreduce").update(sizes_mb=[0]),
+         r"allreduce\.profiles\.gpu\[0\]\.sizes_mb\[0\]: expected a positive number"),
+        (lambda d: _dist_grid(d, "allreduce").update(world_sizes=[1.5]),
+         r"allreduce\.profiles\.gpu\[0\]\.world_sizes\[0\]: expected a positive integer"),
+        (lambda d: _dist_grid(d, "data_parallel").update(variants=["deepspeed"]),
+         r"data_parallel\.profiles\.gpu\[0\]\.variants\[0\]: unknown value 'deepspeed'; valid: none"),
+        (lambda d: _dist_grid(d, "data_parallel", index=1).update(bucket_sizes_mb=[None, -1]),
+         r"data_parallel\.profiles\.gpu\[1\]\.bucket_sizes_mb\[1\]: expected a positive number"),
+        (lambda d: _dist_grid(d, "data_parallel").pop("world_sizes"),
+         r"data_parallel\.profiles\.gpu\[0\]: missing required key 'world_sizes'"),
+    ],
+)
+def test_malformed_distributed_grids_name_the_problem(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)
