@@ -167,3 +167,226 @@ def test_speedups_and_ratios_only_within_one_saved_run(tmp_path):
     merged = report.render([_run(tmp_path, "c.json", flash + naive)])
     assert "| 1024 | 64 | 4.00 | - | 1.00 | - | 4.00x |" in merged
     assert "| forward | flash-triton | 2.00 | - | - | 2.00 | - |" in merged
+
+
+# --- distributed suites (allreduce, data_parallel) ---------------------------------------------------
+
+H200 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "cuda": "13.0", "torch": "2.11", "triton": "3.6",
+        "driver": "580"}
+
+
+def _dist_run(tmp_path, name, benchmarks, oom=(), machine=H200):
+    path = tmp_path / name
+    path.write_text(json.dumps({"machine_info": {"cs336_systems": machine}, "benchmarks": benchmarks,
+                                "oom": list(oom)}))
+    return path
+
+
+def _stats(median_s):
+    return {"mean": median_s, "stddev": 0.0, "median": median_s, "min": median_s, "max": median_s}
+
+
+def _allreduce(backend, size_mb, world, median_s):
+    """A case as comm.allreduce_case records it: algbw = bytes / median, busbw = algbw * 2 (n - 1) / n."""
+    nbytes = int(size_mb * 2**20)
+    algbw = nbytes / median_s
+    info = {"suite": "allreduce", "backend": backend, "size_mb": size_mb, "world_size": world, "inner_iters": 5,
+            "warmup": 3, "rounds": 10, "status": "ok", "bytes": nbytes, "algbw_gbps": algbw / 1e9,
+            "busbw_gbps": algbw * 2 * (world - 1) / world / 1e9}
+    return {"name": f"test_allreduce[{backend}-{size_mb}MiB-ranks{world}]", "extra_info": info,
+            "stats": _stats(median_s)}
+
+
+def _dp(variant, median_ms, *, precision="bf16", bucket=None, sync_ms=None, num_buckets=None, size="tiny",
+        world=2, memory=None):
+    info = {"suite": "data_parallel", "variant": variant, "bucket_size_mb": bucket, "size": size, "context": 32,
+            "batch_size": 2, "precision": precision, "world_size": world, "backend": "nccl", "warmup": 3,
+            "rounds": 10, "status": "ok"}
+    if sync_ms is not None:
+        info |= {"sync_ms": sync_ms, "sync_share": sync_ms / median_ms}
+    if num_buckets is not None:
+        info["num_buckets"] = num_buckets
+    if memory is not None:
+        info["memory_gib"] = memory
+    return {"name": f"test_data_parallel[{variant}-{bucket}-{precision}]", "extra_info": info,
+            "stats": _stats(median_ms / 1e3)}
+
+
+def test_allreduce_tables_bandwidths_and_reference_ratios(tmp_path):
+    mib = 2**20
+    run = _dist_run(tmp_path, "ar.json", [
+        _allreduce("nccl", 1, 2, mib / 64e9),  # busbw 64 GB/s = 2x the reference 32
+        _allreduce("nccl", 10, 2, 10 * mib / 75e9),  # 75 GB/s = 0.5x the reference 150
+        _allreduce("nccl", 10, 4, 0.002),  # no reference at 4 ranks
+        _allreduce("nccl", 3, 2, 0.001),  # no reference for 3 MiB
+        _allreduce("gloo", 1, 2, mib / 2e9),  # 2 GB/s: inside 1-2.7
+        _allreduce("gloo", 100, 2, 100 * mib / 0.5e9),  # 0.5 GB/s: below
+    ])
+    text = report.render([run])
+    nccl = _section(text, "### All-reduce: nccl")
+    assert ("| size MiB | ranks | median time per all-reduce | algbw GB/s | busbw GB/s | reference busbw GB/s | "
+            "busbw ÷ reference |") in nccl
+    assert "| 1 | 2 | 16.4 µs | 64.0 | 64.0 | 32 | 2.00x |" in nccl
+    assert "| 10 | 2 | 139.8 µs | 75.0 | 75.0 | 150 | 0.50x |" in nccl
+    # 4 ranks: algbw = 10 MiB / 2 ms = 5.24 GB/s, busbw = algbw * 2 * 3 / 4 = 7.86 GB/s
+    assert "| 10 | 4 | 2.00 ms | 5.2 | 7.9 | - | - |" in nccl
+    assert "| 3 | 2 | 1.00 ms | 3.1 | 3.1 | - | - |" in nccl
+    assert nccl.index("| 1 | 2 |") < nccl.index("| 3 | 2 |") < nccl.index("| 10 | 2 |") < nccl.index("| 10 | 4 |")
+    gloo = _section(text, "### All-reduce: gloo")
+    assert "| 1 | 2 | 524.3 µs | 2.0 | 2.0 | 1–2.7 | in range |" in gloo
+    assert "| 100 | 2 | 209.72 ms | 0.5 | 0.5 | 1–2.7 | below range |" in gloo
+    # the reference was measured on 2xH200: another GPU gets none
+    other = _dist_run(tmp_path, "h100.json", [_allreduce("nccl", 1, 2, mib / 64e9)],
+                      machine=H200 | {"gpu_name": "NVIDIA H100 80GB HBM3"})
+    assert "| 1 | 2 | 16.4 µs | 64.0 | 64.0 | - | - |" in report.render([other])
+
+
+def _ddp_group(precision, *, torch_ddp, best_bucket, naive_sync, individual_sync):
+    return [
+        _dp("none", 80.0, precision=precision),
+        _dp("torch-ddp", torch_ddp, precision=precision),
+        _dp("naive", 125.0, precision=precision, sync_ms=naive_sync),
+        _dp("individual", 110.0, precision=precision, sync_ms=individual_sync, num_buckets=30),
+        _dp("bucketed", best_bucket, precision=precision, bucket=10, sync_ms=5.0, num_buckets=4),
+        _dp("bucketed", 120.0, precision=precision, bucket=1, sync_ms=8.0, num_buckets=12),
+        _dp("bucketed", 115.0, precision=precision, bucket=None, sync_ms=10.0, num_buckets=1),
+    ]
+
+
+def test_data_parallel_table_ratios_hidden_fraction_and_targets_both_ways(tmp_path):
+    # bf16 meets both targets: 98 / 100 = 0.98 <= 0.98 and 1 - 8 / 40 = 80% >= 80%;
+    # fp32 misses both: 99 / 100 = 0.99 and 1 - 9 / 40 = 77.5%.
+    benches = (_ddp_group("bf16", torch_ddp=100.0, best_bucket=98.0, naive_sync=40.0, individual_sync=8.0)
+               + _ddp_group("fp32", torch_ddp=100.0, best_bucket=99.0, naive_sync=40.0, individual_sync=9.0))
+    text = report.render([_dist_run(tmp_path, "dp.json", benches)])
+    bf16 = _section(text, "### Data parallel: tiny, context 32, per-rank batch 2, bf16, 2 ranks (nccl)")
+    assert ("| variant | median step ms | ÷ torch-ddp | ÷ none | sync ms | sync % of step | naive comm hidden | "
+            "buckets |") in bf16
+    assert "| none | 80.00 | 0.800x | 1.000x | - | - | - | - |" in bf16
+    assert "| naive | 125.00 | 1.250x | 1.562x | 40.00 | 32.0 | - | - |" in bf16  # 125 / 80 = 1.5625
+    assert "| individual | 110.00 | 1.100x | 1.375x | 8.00 | 7.3 | 80.0% | 30 |" in bf16
+    assert "| bucketed 1 MiB | 120.00 | 1.200x | 1.500x | 8.00 | 6.7 | 80.0% | 12 |" in bf16
+    assert "| bucketed 10 MiB | 98.00 | 0.980x | 1.225x | 5.00 | 5.1 | 87.5% | 4 |" in bf16
+    assert "| bucketed (one bucket) | 115.00 | 1.150x | 1.438x | 10.00 | 8.7 | 75.0% | 1 |" in bf16
+    order = [bf16.index(f"| {v} |") for v in ("none", "torch-ddp", "naive", "individual", "bucketed 1 MiB",
+                                               "bucketed 10 MiB", "bucketed (one bucket)")]
+    assert order == sorted(order)
+    assert "best is bucketed 10 MiB at 98.00 ms = 0.980x torch DDP -> **met**" in bf16
+    assert "(1 − sync ms ÷ naive sync ms): 80.0% -> **met**" in bf16
+    fp32 = _section(text, "### Data parallel: tiny, context 32, per-rank batch 2, fp32, 2 ranks (nccl)")
+    assert "best is bucketed 10 MiB at 99.00 ms = 0.990x torch DDP -> **not met**" in fp32
+    assert "(1 − sync ms ÷ naive sync ms): 77.5% -> **not met**" in fp32
+    targets = report.ddp_targets(report.load_runs([_dist_run(tmp_path, "t.json", benches[:7])])[0])
+    assert targets["bucketed"][1] == 0.98 and targets["bucketed"][2] is True
+    assert targets["individual"] == (0.8, True)
+
+
+def test_data_parallel_targets_and_ratios_across_runs(tmp_path):
+    ddp = _dist_run(tmp_path, "ddp.json", [_dp("none", 80.0), _dp("torch-ddp", 100.0)])
+    bucketed = _dist_run(tmp_path, "b.json", [_dp("bucketed", 90.0, bucket=25, sync_ms=1.0),
+                                               _dp("naive", 120.0, sync_ms=10.0)])
+    other = _dist_run(tmp_path, "o.json", [_dp("zero1", 110.0), _dp("individual", 105.0, sync_ms=5.0)],
+                      machine=H200 | {"torch": "2.12"})
+    text = report.render([ddp, bucketed, other])
+    table = _section(text, "### Data parallel: tiny, context 32")
+    # another run of the same machine facts: the ratio is shown, marked; another torch version: none
+    assert "| bucketed 25 MiB | 90.00 | 0.900x† | 1.125x† | 1.00 | 1.1 | 90.0% | - |" in table
+    assert "| zero1 | 110.00 | - | - | - | - | - | - |" in table
+    assert "| individual | 105.00 | - | - | 5.00 | 4.8 | - | - |" in table
+    # targets use same-run numbers only
+    assert "torch DDP's step: not measured in one run." in table
+    assert "naive sync ms): not measured in one run." in table
+
+
+def test_data_parallel_summary_and_memory_tables(tmp_path):
+    memory = {"after_construction": 1.5, "peak_before_step": 6.25, "parameters": 1.5, "gradients": 1.5,
+              "optimizer_state": 3.0, "activations_other": 0.25, "peak_step": 7.0, "allocated_after_step": 6.0}
+    benches = [
+        _dp("none", 80.0, memory=memory), _dp("torch-ddp", 100.0, memory=memory | {"after_construction": 3.0}),
+        _dp("bucketed", 105.0, bucket=1), _dp("bucketed", 95.0, bucket=100),
+        _dp("none", 40.0, precision="fp32"), _dp("torch-ddp", 50.0, precision="fp32"),
+        _dp("bucketed", 60.0, precision="fp32", bucket=None),
+    ]
+    oom = {"name": "test_data_parallel[fsdp]", "error": "CUDA out of memory",
+           "extra_info": {**_dp("fsdp", 1.0)["extra_info"], "status": "oom"}}
+    text = report.render([_dist_run(tmp_path, "dp.json", benches, oom=[oom])])
+    summary = _section(text, "### Data parallel summary: tiny, context 32, per-rank batch 2, 2 ranks (nccl)")
+    assert "| variant | bf16 step ms | bf16 ÷ torch-ddp | fp32 step ms | fp32 ÷ torch-ddp |" in summary
+    assert "| none | 80.00 | 0.80x | 40.00 | 0.80x |" in summary
+    assert "| bucketed (best) | 95.00 (100 MiB) | 0.95x | 60.00 (one bucket) | 1.20x |" in summary
+    assert "| fsdp | OOM | - | - | - |" in summary
+    mem = _section(text, "### Data parallel memory per rank: tiny, context 32, per-rank batch 2, bf16")
+    assert ("| variant | after construction GiB | peak before step GiB | peak during step GiB | parameters GiB | "
+            "gradients GiB | optimizer state GiB | activations + other GiB |") in mem
+    assert "| none | 1.50 | 6.25 | 7.00 | 1.50 | 1.50 | 3.00 | 0.25 |" in mem
+    assert "| torch-ddp | 3.00 | 6.25 | 7.00 |" in mem
+    assert "| bucketed 1 MiB | - | - | - | - | - | - | - |" in mem
+    assert "| fsdp | OOM | OOM |" in mem
+    # fp32 cases recorded no memory (as on a CPU run): no memory table for them
+    assert "### Data parallel memory per rank: tiny, context 32, per-rank batch 2, fp32" not in text
+
+
+def test_bucket_model_matches_hand_computation(tmp_path):
+    o, w = 50e-6, 100e9  # all-reduce times exactly o + bytes / w
+    mib = 2**20
+    allreduce = [_allreduce("nccl", m, 2, o + m * mib / w) for m in (1, 10, 100)]
+    allreduce.append(_allreduce("nccl", 10, 4, 1.0))  # another world size: not part of the fit
+    dp = [_dp("none", 80.0), _dp("bucketed", 90.0, bucket=1, sync_ms=3.0, num_buckets=5),
+          _dp("bucketed", 85.0, bucket=0.5, sync_ms=2.0, num_buckets=8)]
+    text = report.render([_dist_run(tmp_path, "ar.json", allreduce), _dist_run(tmp_path, "dp.json", dp)])
+    section = _section(text, "### DDP bucket model: tiny, context 32, per-rank batch 2, bf16, 2 ranks (nccl)")
+    # tiny: d=64, d_ff=256, 2 layers, vocab 10000: embedding + LM head 2*10000*64, per layer
+    # qkv + out 4*64*64, SwiGLU 3*64*256, two norms 2*64, final norm 64
+    params = 2 * 10_000 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) + 64
+    s = 4 * params
+    assert f"s = gradient bytes = {params:,} parameters × 4 B (fp32 gradients) = {s / 2**30:.3f} GiB" in section
+    assert "o = 50.0 µs per call, w = 100.0 GB/s" in section
+    optimum = (s * o * w) ** 0.5
+    assert f"sqrt(s·o·w) = {optimum / mib:.1f} MiB (n_b* = {s / optimum:.1f} buckets)" in section
+    assert f"2·sqrt(s·o÷w) = {2 * (s * o / w) ** 0.5 * 1e3:.2f} ms" in section
+
+    def overhead_ms(n):
+        return (n * o + s / (n * w)) * 1e3
+
+    n1, n05 = s / mib, s / (0.5 * mib)
+    assert (f"| 1 | {n1:.1f} | 5 | {overhead_ms(n1):.2f} | {overhead_ms(5):.2f} | 90.00 | 10.00 | 3.00 |"
+            in section)
+    assert (f"| 0.5 | {n05:.1f} | 8 | {overhead_ms(n05):.2f} | {overhead_ms(8):.2f} | 85.00 | 5.00 | 2.00 |"
+            in section)
+    assert "measured best bucket size: bucketed 0.5 MiB (85.00 ms per step)" in section
+    best_formed = "bucketed 0.5 MiB" if overhead_ms(8) < overhead_ms(5) else "bucketed 1 MiB"
+    assert f"model predicts the least overhead for {best_formed}" in section
+
+
+def test_missing_suites_do_not_break_rendering(tmp_path):
+    only_dp = report.render([_dist_run(tmp_path, "dp.json", [_dp("bucketed", 90.0, bucket=1)])])
+    assert "### Data parallel: tiny" in only_dp
+    assert "All-reduce" not in only_dp and "DDP bucket model" not in only_dp
+    assert "not measured in one run" in only_dp  # no torch-ddp, no naive
+    only_ar = report.render([_dist_run(tmp_path, "ar.json", [_allreduce("gloo", 1, 2, 0.001)])])
+    assert "### All-reduce: gloo" in only_ar
+    assert "Data parallel" not in only_ar and "DDP bucket model" not in only_ar
+    # all-reduce results of another world size only: nothing to fit, no bucket-model section
+    mixed = report.render([_dist_run(tmp_path, "m.json", [_allreduce("nccl", 1, 4, 0.001),
+                                                          _allreduce("nccl", 10, 4, 0.002),
+                                                          _dp("bucketed", 90.0, bucket=1)])])
+    assert "DDP bucket model" not in mixed
+    # a fit with no bandwidth (times falling with size) says so instead of failing
+    falling = report.render([_dist_run(tmp_path, "f.json", [_allreduce("nccl", 1, 2, 0.002),
+                                                            _allreduce("nccl", 10, 2, 0.001),
+                                                            _dp("bucketed", 90.0, bucket=1)])])
+    assert "No fit from the nccl all-reduce times (1, 10 MiB, 2 ranks): times_s do not grow" in falling
+    # end-to-end runs render as before, with no distributed sections
+    lm = report.render([_run(tmp_path, "lm.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])])
+    assert "All-reduce" not in lm and "Data parallel" not in lm
+
+
+def test_distributed_cases_do_not_collide(tmp_path):
+    run = _dist_run(tmp_path, "mix.json", [
+        _allreduce("nccl", 1, 2, 0.001), _allreduce("nccl", 1, 4, 0.001), _allreduce("gloo", 1, 2, 0.001),
+        _allreduce("nccl", 10, 2, 0.001),
+        _dp("bucketed", 90.0, bucket=1), _dp("bucketed", 90.0, bucket=10), _dp("bucketed", 90.0),
+        _dp("naive", 90.0), _dp("naive", 90.0, world=4), _dp("naive", 90.0, precision="fp32"),
+    ])
+    entries, _ = report.load_runs([run])
+    assert len(entries) == 10
