@@ -8,7 +8,7 @@ Markers
 Options
   --perf-profile=cpu|gpu|full   which benchmarks.json profile perf/ runs (default: gpu if CUDA is
                                 present, else cpu)
-  --perf-group=NAME             only the perf cases of that group (see benchmarks.json)
+  --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
   --compare-any-machine         allow --benchmark-compare across GPUs / versions (warning only)
 
@@ -45,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--perf-profile", choices=PROFILES, default=None,
         help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
     )
-    group.addoption("--perf-group", default=None, help="run only perf cases of this group")
+    group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
     group.addoption("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU")
     group.addoption(
         "--compare-any-machine", action="store_true",

@@ -100,9 +100,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     # The suite travels with the case into extra_info: gates and reports select cases by it.
     cases = [{**c, "suite": suite} for c in _load_matrix(config).cases(suite, _profile(config))]
-    group = config.getoption("--perf-group")
-    if group is not None:
-        cases = [c for c in cases if c.get("group") == group]
+    groups = config.getoption("--perf-group")
+    if groups is not None:
+        # comma-separated: groups run in one session share its ratios (e.g. ddp-bf16,sharding-bf16 puts the
+        # sharding variants and torch DDP in the same run)
+        wanted = {g.strip() for g in groups.split(",") if g.strip()}
+        cases = [c for c in cases if c.get("group") in wanted]
     metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
 
 

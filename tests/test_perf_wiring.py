@@ -101,6 +101,9 @@ def test_perf_group_filters_cases(project):
     result.assert_outcomes(skipped=1)  # empty parameter set
     result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+    # several groups, comma-separated, run in one session
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=nope, g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
 
 
 def test_peak_override_gives_mfu(project):
