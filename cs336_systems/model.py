@@ -14,6 +14,11 @@ keeps the tensor cores busier than three small ones at the handout's batch sizes
 
 `build(size, **overrides)` is the entry point; it allocates on the current default device, so
 ``with torch.device("meta"): build("2.7B")`` counts and shapes the 2.7B model without memory.
+
+Activation checkpointing: ``ModelConfig.checkpoint`` ("none", "every-<k>", "sqrt"; e.g.
+``build("xl", checkpoint="sqrt")``) selects which runs of consecutive blocks are recomputed in backward instead
+of keeping their activations (`cs336_systems.checkpointing`).  It changes memory and time, never the values or
+the parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cs336_systems import attention as attention_registry
+from cs336_systems.checkpointing import CheckpointPolicy, run_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,7 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     attention: str = "naive"
     norm_eps: float = 1e-5
+    checkpoint: str = "none"  # activation checkpointing of the block stack: "none" | "every-<k>" | "sqrt"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
@@ -59,6 +66,8 @@ class ModelConfig:
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         attention_registry.get(self.attention)  # raises ValueError naming the valid implementations
+        # Raises TypeError / ValueError naming `checkpoint`; a CheckpointPolicy is stored as its spec string.
+        object.__setattr__(self, "checkpoint", str(CheckpointPolicy.parse(self.checkpoint)))
 
     @property
     def d_head(self) -> int:
@@ -77,7 +86,7 @@ SIZES: dict[str, dict[str, int]] = {
 
 
 def config(size: str, **overrides) -> ModelConfig:
-    """The ModelConfig of a named size with field overrides (vocab_size, context_length, attention...)."""
+    """The ModelConfig of a named size with field overrides (vocab_size, context_length, attention, checkpoint...)."""
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; valid: {', '.join(SIZES)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -176,6 +185,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.checkpoint_policy = CheckpointPolicy.parse(cfg.checkpoint)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -200,15 +210,14 @@ class TransformerLM(nn.Module):
             )
         positions = torch.arange(seq, device=tokens.device)
         x = self.token_embeddings(tokens)  # (B, T, d)
-        for layer in self.layers:
-            x = layer(x, positions)
+        x = run_blocks(self.layers, x, positions, policy=self.checkpoint_policy)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
 
 def build(size: str, *, dtype: torch.dtype | None = None, **overrides) -> TransformerLM:
     """Build the LM of a named size (see SIZES) on the current default device.
 
-    ``overrides`` replace ModelConfig fields (vocab_size, context_length, attention, rope_theta, ...);
+    ``overrides`` replace ModelConfig fields (vocab_size, context_length, attention, rope_theta, checkpoint, ...);
     ``dtype`` casts parameters (default: float32 master weights, the mixed-precision setup).
     Use ``with torch.device("cuda")`` / ``("meta")`` around the call to choose where it lives.
     """

@@ -1,6 +1,9 @@
 """Report rendering from saved pytest-benchmark JSON (synthetic runs with known numbers)."""
 
 import json
+import re
+import sys
+from pathlib import Path
 
 from cs336_systems import report
 
@@ -390,3 +393,269 @@ def test_distributed_cases_do_not_collide(tmp_path):
     ])
     entries, _ = report.load_runs([run])
     assert len(entries) == 10
+
+
+# --- comparison of two saved runs (--compare) ----------------------------------------------------------
+
+
+def _case(fullname, median_s, status="ok"):
+    name = fullname.split("::")[-1]
+    return {"name": name, "fullname": fullname, "extra_info": {"status": status}, "stats": _stats(median_s)}
+
+
+def _compare_run(tmp_path, name, cases, oom=(), machine=H200):
+    path = tmp_path / name
+    path.write_text(json.dumps({
+        "machine_info": {"cs336_systems": machine}, "datetime": "2026-11-21T14:00:00+00:00",
+        "benchmarks": cases,
+        "oom": [{"name": f.split("::")[-1], "fullname": f, "error": "CUDA out of memory", "extra_info": {}}
+                for f in oom],
+    }))
+    return path
+
+
+def _compare_pair(tmp_path, new_machine=H200):
+    old = _compare_run(tmp_path, "old.json", [
+        _case("perf/test_a.py::test_x[a]", 0.010),  # -> 0.0125: +25%, slower
+        _case("perf/test_a.py::test_x[b]", 0.020),  # -> 0.021: +5%, within 10%
+        _case("perf/test_a.py::test_x[c]", 0.004),  # -> 0.003: -25%, faster
+        _case("perf/test_b.py::test_x[a]", 0.001),  # same name, another file: a different case
+        _case("perf/test_a.py::test_x[gone]", 0.5),
+        _case("perf/test_a.py::test_x[d]", 0.1),  # -> OOM
+    ])
+    new = _compare_run(tmp_path, "new.json", [
+        _case("perf/test_a.py::test_x[a]", 0.0125),
+        _case("perf/test_a.py::test_x[b]", 0.021),
+        _case("perf/test_a.py::test_x[c]", 0.003),
+        _case("perf/test_b.py::test_x[a]", 0.00089),  # -11%: faster
+        _case("perf/test_a.py::test_x[added]", 0.5),
+    ], oom=["perf/test_a.py::test_x[d]"], machine=new_machine)
+    return old, new
+
+
+def test_compare_pairs_by_fullname_with_deltas_flags_and_one_sided_cases(tmp_path):
+    old, new = _compare_pair(tmp_path)
+    out = tmp_path / "diff.md"
+    assert report.main(["--compare", str(old), str(new), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "| case | old median | new median | delta | beyond ±10% |" in text
+    # paired by node id: the two test_x[a] (two files) are two cases, named in full to tell them apart
+    assert "| perf/test_a.py::test_x[a] | 10.00 ms | 12.50 ms | +25.0% | slower |" in text
+    assert "| test_x[b] | 20.00 ms | 21.00 ms | +5.0% |  |" in text
+    assert "| test_x[c] | 4.00 ms | 3.00 ms | -25.0% | faster |" in text
+    assert "| perf/test_b.py::test_x[a] | 1.00 ms | 890.0 µs | -11.0% | faster |" in text
+    assert "| test_x[d] | 100.00 ms | OOM | - | ok -> oom |" in text
+    assert "5 cases in both runs; beyond ±10%: 1 slower, 2 faster." in text
+    assert "## Only in the old run\n\n- `perf/test_a.py::test_x[gone]`" in text
+    assert "## Only in the new run\n\n- `perf/test_a.py::test_x[added]`" in text
+    # a wider threshold flags less
+    wide = report.compare_runs(old, new, threshold=30)
+    assert "| perf/test_a.py::test_x[a] | 10.00 ms | 12.50 ms | +25.0% |  |" in wide
+    assert "0 slower, 0 faster" in wide
+
+
+def test_compare_refuses_runs_from_different_machines_unless_asked(tmp_path, capsys):
+    old, new = _compare_pair(tmp_path, new_machine=H200 | {"torch": "2.12", "driver": "999"})
+    out = tmp_path / "diff.md"
+    assert report.main(["--compare", str(old), str(new), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "different machines" in err and "torch: '2.11' vs '2.12'" in err and "--any-machine" in err
+    assert "driver" not in err  # not one of the comparable fields
+    assert not out.exists()
+    assert report.main(["--compare", str(old), str(new), "-o", str(out), "--any-machine"]) == 0
+    text = out.read_text()
+    assert "**Warning: different machines (torch: '2.11' vs '2.12')" in text
+    assert "| perf/test_a.py::test_x[a] | 10.00 ms | 12.50 ms | +25.0% | slower |" in text
+
+
+def test_compare_rejects_bad_threshold_and_argument_mixes(tmp_path, capsys):
+    old, new = _compare_pair(tmp_path)
+    for bad in (0, -5, float("nan")):
+        try:
+            report.compare_runs(old, new, threshold=bad)
+        except ValueError as err:
+            assert "threshold" in str(err)
+        else:
+            raise AssertionError(f"threshold {bad} accepted")
+    for argv in (["--compare", str(old), str(new), "--threshold", "0"],
+                 [str(old), "--compare", str(old), str(new)],
+                 ["--compare", str(old), str(new), "--plots", str(tmp_path)],
+                 []):
+        try:
+            report.main(argv)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"{argv} accepted")
+
+
+# --- the README's generated Results block (--readme) ---------------------------------------------------
+
+README = """# Project
+
+Intro prose with a number: 1.23 ms.
+
+## Results
+
+Hand-written lead-in.
+
+<!-- results:start -->
+stale generated text
+<!-- results:end -->
+
+Hand-written tail.
+
+## Layout
+
+Untouched <!-- results:start --> mention outside the section.
+"""
+
+
+def _readme_runs(tmp_path):
+    """A small 'repository': the end-to-end headline in two runs and a leaderboard run."""
+    h100 = {"gpu_name": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "cuda": "13.0", "torch": "2.11.0",
+            "triton": "3.6.0", "driver": "580", "cudnn": 91900}
+    runs = tmp_path / "results" / "gpu"
+    runs.mkdir(parents=True)
+
+    def save(name, benchmarks, stamp):
+        (runs / name).write_text(json.dumps({"machine_info": {"cs336_systems": h100}, "datetime": stamp,
+                                             "benchmarks": benchmarks, "oom": []}))
+
+    def e2e(mode, compiled, median_s, mfu, tflops, context=512):
+        bench = _bench("2.7B", context, mode, "bf16", compiled, median_s)
+        bench["extra_info"] |= {"mfu": mfu, "tflops": tflops, "peak_tflops": 989.4}
+        return bench
+
+    save("eager.json", [e2e("forward", False, 0.040, 0.35, 345.0), e2e("train-step", False, 0.150, 0.275, 272.0),
+                        e2e("forward", False, 0.001, 0.1, 1.0, context=128)],
+         "2026-11-21T12:42:34+00:00")
+    save("compiled.json", [e2e("train-step", True, 0.120, 0.336, 333.0)], "2026-11-21T12:43:37+00:00")
+    board = dict(dtype="bf16", causal=True, batch=1, heads=16, flush=True)
+    save("board.json", [
+        _attn("test_leaderboard", "flash-triton", 16384, 64, "forward", 0.0015, compile_=True, tflops=360.0, **board),
+        _attn("test_leaderboard", "flash-triton", 16384, 64, "forward", 0.0016, tflops=350.0, **board),
+        _attn("test_leaderboard", "sdpa-flash", 16384, 64, "forward", 0.002, tflops=270.0, **board),
+        _attn("test_leaderboard", "sdpa-cudnn", 16384, 64, "forward", 0.001, tflops=540.0, **board),
+    ], "2026-11-21T14:12:06+00:00")
+    sections = (
+        report.ResultsSection("Headline", ("results/gpu/eager.json", "results/gpu/compiled.json"),
+                              report.headline_table),
+        report.ResultsSection("Leaderboard", ("results/gpu/board.json",), report.leaderboard_summary),
+    )
+    return sections
+
+
+def _block(text):
+    return text.split("<!-- results:start -->")[1].split("<!-- results:end -->")[0]
+
+
+def test_readme_block_replaced_in_place_and_idempotent(tmp_path):
+    sections = _readme_runs(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert report.update_readme(readme, sections) is True
+    text = readme.read_text()
+    before, after = README.split("<!-- results:start -->", 1)[0], README.split("<!-- results:end -->")[1]
+    assert text.startswith(before + "<!-- results:start -->\n") and text.endswith("<!-- results:end -->" + after)
+    block = _block(text)
+    assert "stale" not in block
+    assert ("Device: NVIDIA H100 80GB HBM3 ×1, driver 580; CUDA 13.0, torch 2.11.0, triton 3.6.0, cuDNN 91900. "
+            "Date: 2026-11-21 (12:42–12:43 UTC). Runs: [`results/gpu/eager.json`](results/gpu/eager.json), "
+            "[`results/gpu/compiled.json`](results/gpu/compiled.json).") in block
+    # headline: the 2.7B ctx-512 case only (the ctx-128 one is not it); 120 / 150 = 0.80 across two runs
+    assert "| forward | 40.00 | 345 | 35.0% | - | - | - | - |" in block
+    assert "| train-step | 150.00 | 272 | 27.5% | 120.00 | 333 | 33.6% | 0.80† |" in block
+    assert "MFU against the dense datasheet peak (989.4 TFLOP/s)" in block
+    # leaderboard: compiled flash-triton (not the eager one) over each SDPA kernel, same run
+    assert "| forward | 1.50 | 360.0 | 2.00 | 270.0 | 1.00 | 540.0 | 0.75 | 1.50 |" in block
+    assert "Date: 2026-11-21 (14:12 UTC)" in block
+    assert report.update_readme(readme, sections) is False
+    assert readme.read_text() == text
+    assert report.main(["--readme", str(tmp_path / "no-such-readme.md")]) == 2
+
+
+def test_readme_markers_missing_misplaced_or_duplicated_fail_clearly(tmp_path, capsys):
+    sections = _readme_runs(tmp_path)
+    cases = {
+        "no heading": README.replace("## Results", "## Outcomes"),
+        "no start": README.replace("<!-- results:start -->\nstale", "stale"),
+        "no end": README.replace("<!-- results:end -->", ""),
+        "twice": README.replace("Hand-written tail.", "<!-- results:start -->\n<!-- results:end -->"),
+        "outside": README.replace("<!-- results:start -->\nstale generated text\n<!-- results:end -->", "")
+        + "\n<!-- results:start -->\n<!-- results:end -->\n",
+        "reversed": README.replace("<!-- results:start -->\nstale generated text\n<!-- results:end -->",
+                                   "<!-- results:end -->\n<!-- results:start -->"),
+    }
+    for label, text in cases.items():
+        readme = tmp_path / f"{label}.md"
+        readme.write_text(text)
+        try:
+            report.update_readme(readme, sections)
+        except report.ReadmeMarkersError as err:
+            assert str(readme) in str(err), label
+        else:
+            raise AssertionError(f"{label}: accepted")
+        assert readme.read_text() == text, label  # untouched
+        assert report.main(["--readme", str(readme)]) == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_committed_readme_results_block_is_generated_from_the_committed_runs():
+    """The README's block is what `--readme` produces from results/ (regenerate it after changing either)."""
+    root = Path(report.__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    start, end = report._results_span(text, root / "README.md")
+    expected = report.readme_block(root, write_plots=False)
+    assert text[start:end] == "\n" + expected + "\n"
+    for link in re.findall(r"\]\((results/[^)]+)\)", expected):
+        assert (root / link).is_file(), link
+    assert "154.59" in expected and "126.33" in expected  # the H100 2.7B train step, eager and compiled
+
+
+def test_plots_without_matplotlib_fail_naming_the_extra(tmp_path, monkeypatch, capsys):
+    from cs336_systems import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    run = _dist_run(tmp_path, "ar.json", [_allreduce("gloo", 1, 2, 0.001)])
+    assert report.main([str(run), "-o", str(tmp_path / "r.md"), "--plots", str(tmp_path / "plots")]) == 2
+    assert "`plot` extra" in capsys.readouterr().err
+    try:
+        plots.write_plots(plots.all_plots(*report.load_runs([run])), tmp_path / "plots")
+    except plots.MissingPlotExtra as err:
+        assert "pip install -e '.[plot]'" in str(err)
+    else:
+        raise AssertionError("no error without matplotlib")
+    # the report itself needs no matplotlib
+    assert report.main([str(run), "-o", str(tmp_path / "r.md")]) == 0
+
+
+def test_readme_allreduce_and_data_parallel_summaries(tmp_path):
+    mib = 2**20
+    runs = [_dist_run(tmp_path, "ar.json", [
+        _allreduce("nccl", 1, 2, mib / 64e9), _allreduce("nccl", 10, 2, 10 * mib / 75e9),
+        _allreduce("gloo", 1, 2, mib / 2e9), _allreduce("gloo", 1, 4, 0.001)])]
+    runs.append(_dist_run(tmp_path, "dp.json", _ddp_group("bf16", torch_ddp=100.0, best_bucket=98.0,
+                                                          naive_sync=40.0, individual_sync=8.0)))
+    entries, machines = report.load_runs(runs)
+    table = report.allreduce_summary(entries, machines)
+    assert ("| size MiB | nccl 2 ranks busbw GB/s | gloo 2 ranks busbw GB/s | gloo 4 ranks busbw GB/s | "
+            "reference (issue) GB/s |") in table
+    # gloo at 4 ranks: busbw = 1 MiB / 1 ms * 2 * 3 / 4 = 1.57 GB/s; the reference is for 2 ranks only
+    assert "| 1 | 64.0 | 2.0 | 1.6 | nccl 32, gloo 1–2.7 |" in table
+    assert "| 10 | 75.0 | - | - | nccl 150 |" in table
+    dp = report.data_parallel_readme(entries, machines)
+    assert dp.startswith("#### Data parallel summary: tiny, context 32, per-rank batch 2, 2 ranks (nccl)")
+    assert "| bucketed (best) | 98.00 (10 MiB) | 0.98x |" in dp
+    assert ("- tiny, context 32, per-rank batch 2, bf16, 2 ranks (nccl): Targets (issue): DDPBucketed's best "
+            "bucket size ≤ 0.98x torch DDP's step: best is bucketed 10 MiB at 98.00 ms = 0.980x torch DDP -> "
+            "**met**.") in dp
+    for bad in (dict(runs=()), dict(runs=("a.json",), plots_dir="x"),
+                dict(runs=("a.json",), plots=report.allreduce_summary)):
+        try:
+            report.ResultsSection("bad", **bad)
+        except ValueError as err:
+            assert "'bad'" in str(err)
+        else:
+            raise AssertionError(f"{bad} accepted")

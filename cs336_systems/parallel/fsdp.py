@@ -26,6 +26,9 @@ How a sharded layer runs (its ``forward`` is wrapped in place):
    every tensor autograd saves which aliases the gathered buffer (e.g. ``W.t()`` saved by ``F.linear``) by a
    token; the token's unpack re-gathers.  So no full weight outlives its layer's forward, and the backward of
    a layer that never needs W (``F.embedding``, or a Linear whose input needs no gradient) gathers nothing.
+   Saved tensors that are not the weight go to the enclosing pair of saved-tensor hooks when there is one (an
+   activation-checkpoint region, an offloading or counting hook): autograd applies only the innermost pair, so
+   without handing them on, a checkpointed region would still keep every sharded layer's input.
 3. A hook on the layer's output (it fires when the output's gradient is ready, i.e. just before the layer's
    backward) is the *pre-backward hook*: it starts the gather for this layer and prefetches the next ones.
 
@@ -34,8 +37,9 @@ as its plan (so the first forward gathers on demand and prefetching starts with 
 backward uses the reverse of its own record, restricted to the calls that saved W.  When call k starts, gathers
 for calls k .. k + ``prefetch_depth`` (default 2) are put in flight; a gathered weight is freed after its call
 unless one of those next calls uses it again.  Hence ``max_live_gathered <= prefetch_depth + 1`` for a graph
-whose backward runs in reverse forward order (sequential models, residual blocks).  If the run deviates from
-the plan, prefetching stops for the rest of that pass and layers gather on demand (still correct).
+whose backward runs in reverse forward order (sequential models, residual blocks; an activation-checkpoint
+recomputation adds at most one on-demand gather at a time).  If the run deviates from the plan, prefetching
+stops for the rest of that pass and layers gather on demand (still correct).
 
 Precision: with ``compute_dtype`` (bf16 / fp16) the shard is cast *before* the all-gather (half the traffic)
 and the layer computes in ``compute_dtype``: floating-point tensor arguments of a sharded layer (top-level
@@ -53,6 +57,11 @@ Collectives: ``all_gather_single`` / ``reduce_scatter_single`` (their pre-2.13 n
 / ``reduce_scatter_tensor`` on older torch), all ``async_op=True`` so gathers overlap compute and reduce-scatters
 overlap the rest of the backward.  Both exist on gloo in torch 2.13 (CPU); a backend without reduce-scatter
 falls back to an all-reduce of the padded gradient and keeps its own slice (``_reduce_scatter_fallback``).
+
+Activation checkpointing (`torch.utils.checkpoint`, non-reentrant, e.g. cs336_systems.checkpointing): the
+recomputation in backward runs the sharded layers outside ``FSDP.forward``; each gathers on demand (a weight
+already gathered for the backward is used and left in place), so ``num_gathers`` grows by at most one gather per
+recomputed call, and the recomputed graph (its output hooks, its ``_GatheredWeight`` nodes) is discarded unused.
 
 Gradients: call ``finish_gradient_synchronization()`` after the backward and before ``optimizer.step()``; it
 waits for the collectives and adds the averages into ``.grad`` (so gradients accumulate over micro-batches when
@@ -87,6 +96,9 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+# The innermost (pack, unpack) saved-tensor hooks in force, or None; a private binding (torch._functorch uses it
+# too): without it, saved tensors are not handed on to enclosing hooks (correct, but checkpointing saves less).
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
 
 
 def default_shard_predicate(module: nn.Module) -> bool:
@@ -128,6 +140,15 @@ class _SavedWeightView:
 
     def __init__(self, call: _Call, t: torch.Tensor) -> None:
         self.call, self.size, self.stride, self.offset = call, t.size(), t.stride(), t.storage_offset()
+
+
+class _OuterPacked:
+    """A saved tensor packed by the enclosing saved-tensor hooks; unpacking goes through their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self.packed, self.unpack = packed, unpack
 
 
 class _GatheredWeight(torch.autograd.Function):
@@ -365,6 +386,9 @@ class FSDP(nn.Module):
                 self._start_gather(nxt)
         else:
             self._plan_ok = False
+        # Outside FSDP.forward (e.g. an activation-checkpoint recomputation in backward) a weight that is already
+        # gathered belongs to the backward's prefetch: use it and leave it for the backward.
+        keep = calls is None and sw.gathered is not None
         flat = self._wait_gather(sw)
         full = flat[: sw.numel].view(sw.shape)
 
@@ -376,12 +400,14 @@ class FSDP(nn.Module):
         weight = _GatheredWeight.apply(sw.param, full, self, call) if track and sw.param.requires_grad else full
         # The hooks outlive the call (autograd keeps them with every saved tensor): capture no tensor here.
         storage_ptr, device = flat.untyped_storage().data_ptr(), flat.device
+        # Autograd applies only the innermost hooks: hand the other saved tensors to the enclosing pair.
+        outer = _top_saved_tensors_hooks(False)
 
         def pack(t: torch.Tensor) -> Any:
             if t.device == device and _storage_ptr(t) == storage_ptr:
                 call.needs_weight = True
                 return _SavedWeightView(call, t)
-            return t
+            return t if outer is None else _OuterPacked(outer[0](t), outer[1])
 
         # The layer's other parameters (a replicated bias) compute in compute_dtype too; autograd casts
         # their gradients back to fp32.
@@ -399,7 +425,7 @@ class FSDP(nn.Module):
             module._parameters.update(originals)
         if calls is not None:
             calls.append(call)
-        if not (calls is not None and self._plan_ok and sw in plan[k + 1: k + 1 + self.prefetch_depth]):
+        if not keep and not (calls is not None and self._plan_ok and sw in plan[k + 1: k + 1 + self.prefetch_depth]):
             self._release(sw)
         if track:
             for t in _tensors(out):
@@ -422,6 +448,8 @@ class FSDP(nn.Module):
             self._start_gather(nxt.weight)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _OuterPacked):
+            return saved.unpack(saved.packed)
         if not isinstance(saved, _SavedWeightView):
             return saved
         self._pre_backward(saved.call)  # idempotent; covers a backward that skipped the output hook
