@@ -14,7 +14,7 @@ matplotlib = pytest.importorskip("matplotlib", reason="plot tests need matplotli
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.image import imread  # noqa: E402
 
-from cs336_systems import plots, report  # noqa: E402
+from cs336_systems import plots, readme_results, report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU = {"gpu_name": None, "gpu_count": 0, "cuda": None, "torch": "2.13.0+cpu", "triton": "3.6.0", "driver": None,
@@ -257,9 +257,9 @@ def test_readme_sections_write_their_plots_and_regenerate_identically(tmp_path):
     def dp_plots(entries, machines):
         return plots.ddp_bucket_plots(entries, machines) + plots.memory_plots(entries, machines)
 
-    sections = (report.ResultsSection("CPU data parallel", (f"results/cpu/{run.name}",), None, "results/cpu/plots",
+    sections = (readme_results.ResultsSection("CPU data parallel", (f"results/cpu/{run.name}",), None, "results/cpu/plots",
                                       dp_plots),)
-    assert report.update_readme(readme, sections) is True
+    assert readme_results.update_readme(readme, sections) is True
     text = readme.read_text()
     pngs = sorted((runs / "plots").iterdir())
     assert [p.name for p in pngs] == ["ddp-buckets-tiny-ctx32-b2-fp32-2ranks-gloo.png",
@@ -269,6 +269,6 @@ def test_readme_sections_write_their_plots_and_regenerate_identically(tmp_path):
         assert f"](results/cpu/plots/{png.name})" in text
     assert "Device: CPU, driver None; CUDA None, torch 2.13.0+cpu" in text and "2026-11-21 (10:00 UTC)" in text
     first = {p.name: p.read_bytes() for p in pngs}
-    assert report.update_readme(readme, sections) is False
+    assert readme_results.update_readme(readme, sections) is False
     assert readme.read_text() == text
     assert {p.name: p.read_bytes() for p in (runs / "plots").iterdir()} == first  # same bytes: no timestamps

@@ -5,7 +5,7 @@ import re
 import sys
 from pathlib import Path
 
-from cs336_systems import report
+from cs336_systems import readme_results, report, run_compare
 
 
 def _bench(size, context, mode, precision, compile_, median_s, attention="sdpa", test="test_end_to_end"):
@@ -449,7 +449,7 @@ def test_compare_pairs_by_fullname_with_deltas_flags_and_one_sided_cases(tmp_pat
     assert "## Only in the old run\n\n- `perf/test_a.py::test_x[gone]`" in text
     assert "## Only in the new run\n\n- `perf/test_a.py::test_x[added]`" in text
     # a wider threshold flags less
-    wide = report.compare_runs(old, new, threshold=30)
+    wide = run_compare.compare_runs(old, new, threshold=30)
     assert "| perf/test_a.py::test_x[a] | 10.00 ms | 12.50 ms | +25.0% |  |" in wide
     assert "0 slower, 0 faster" in wide
 
@@ -472,7 +472,7 @@ def test_compare_rejects_bad_threshold_and_argument_mixes(tmp_path, capsys):
     old, new = _compare_pair(tmp_path)
     for bad in (0, -5, float("nan")):
         try:
-            report.compare_runs(old, new, threshold=bad)
+            run_compare.compare_runs(old, new, threshold=bad)
         except ValueError as err:
             assert "threshold" in str(err)
         else:
@@ -539,9 +539,9 @@ def _readme_runs(tmp_path):
         _attn("test_leaderboard", "sdpa-cudnn", 16384, 64, "forward", 0.001, tflops=540.0, **board),
     ], "2026-11-21T14:12:06+00:00")
     sections = (
-        report.ResultsSection("Headline", ("results/gpu/eager.json", "results/gpu/compiled.json"),
-                              report.headline_table),
-        report.ResultsSection("Leaderboard", ("results/gpu/board.json",), report.leaderboard_summary),
+        readme_results.ResultsSection("Headline", ("results/gpu/eager.json", "results/gpu/compiled.json"),
+                              readme_results.headline_table),
+        readme_results.ResultsSection("Leaderboard", ("results/gpu/board.json",), readme_results.leaderboard_summary),
     )
     return sections
 
@@ -554,7 +554,7 @@ def test_readme_block_replaced_in_place_and_idempotent(tmp_path):
     sections = _readme_runs(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text(README)
-    assert report.update_readme(readme, sections) is True
+    assert readme_results.update_readme(readme, sections) is True
     text = readme.read_text()
     before, after = README.split("<!-- results:start -->", 1)[0], README.split("<!-- results:end -->")[1]
     assert text.startswith(before + "<!-- results:start -->\n") and text.endswith("<!-- results:end -->" + after)
@@ -570,7 +570,7 @@ def test_readme_block_replaced_in_place_and_idempotent(tmp_path):
     # leaderboard: compiled flash-triton (not the eager one) over each SDPA kernel, same run
     assert "| forward | 1.50 | 360.0 | 2.00 | 270.0 | 1.00 | 540.0 | 0.75 | 1.50 |" in block
     assert "Date: 2026-11-21 (14:12 UTC)" in block
-    assert report.update_readme(readme, sections) is False
+    assert readme_results.update_readme(readme, sections) is False
     assert readme.read_text() == text
     assert report.main(["--readme", str(tmp_path / "no-such-readme.md")]) == 2
 
@@ -591,8 +591,8 @@ def test_readme_markers_missing_misplaced_or_duplicated_fail_clearly(tmp_path, c
         readme = tmp_path / f"{label}.md"
         readme.write_text(text)
         try:
-            report.update_readme(readme, sections)
-        except report.ReadmeMarkersError as err:
+            readme_results.update_readme(readme, sections)
+        except readme_results.ReadmeMarkersError as err:
             assert str(readme) in str(err), label
         else:
             raise AssertionError(f"{label}: accepted")
@@ -605,8 +605,8 @@ def test_committed_readme_results_block_is_generated_from_the_committed_runs():
     """The README's block is what `--readme` produces from results/ (regenerate it after changing either)."""
     root = Path(report.__file__).resolve().parent.parent
     text = (root / "README.md").read_text()
-    start, end = report._results_span(text, root / "README.md")
-    expected = report.readme_block(root, write_plots=False)
+    start, end = readme_results._results_span(text, root / "README.md")
+    expected = readme_results.readme_block(root, write_plots=False)
     assert text[start:end] == "\n" + expected + "\n"
     for link in re.findall(r"\]\((results/[^)]+)\)", expected):
         assert (root / link).is_file(), link
@@ -639,22 +639,22 @@ def test_readme_allreduce_and_data_parallel_summaries(tmp_path):
     runs.append(_dist_run(tmp_path, "dp.json", _ddp_group("bf16", torch_ddp=100.0, best_bucket=98.0,
                                                           naive_sync=40.0, individual_sync=8.0)))
     entries, machines = report.load_runs(runs)
-    table = report.allreduce_summary(entries, machines)
+    table = readme_results.allreduce_summary(entries, machines)
     assert ("| size MiB | nccl 2 ranks busbw GB/s | gloo 2 ranks busbw GB/s | gloo 4 ranks busbw GB/s | "
             "reference (issue) GB/s |") in table
     # gloo at 4 ranks: busbw = 1 MiB / 1 ms * 2 * 3 / 4 = 1.57 GB/s; the reference is for 2 ranks only
     assert "| 1 | 64.0 | 2.0 | 1.6 | nccl 32, gloo 1–2.7 |" in table
     assert "| 10 | 75.0 | - | - | nccl 150 |" in table
-    dp = report.data_parallel_readme(entries, machines)
+    dp = readme_results.data_parallel_readme(entries, machines)
     assert dp.startswith("#### Data parallel summary: tiny, context 32, per-rank batch 2, 2 ranks (nccl)")
     assert "| bucketed (best) | 98.00 (10 MiB) | 0.98x |" in dp
     assert ("- tiny, context 32, per-rank batch 2, bf16, 2 ranks (nccl): Targets (issue): DDPBucketed's best "
             "bucket size ≤ 0.98x torch DDP's step: best is bucketed 10 MiB at 98.00 ms = 0.980x torch DDP -> "
             "**met**.") in dp
     for bad in (dict(runs=()), dict(runs=("a.json",), plots_dir="x"),
-                dict(runs=("a.json",), plots=report.allreduce_summary)):
+                dict(runs=("a.json",), plots=readme_results.allreduce_summary)):
         try:
-            report.ResultsSection("bad", **bad)
+            readme_results.ResultsSection("bad", **bad)
         except ValueError as err:
             assert "'bad'" in str(err)
         else:
