@@ -124,6 +124,18 @@ _LM_GRID = {
     "group": Key(_string, axis=False, required=False, default="default"),
 }
 
+def _checkpoint_policy(value: object, where: str) -> str:
+    from cs336_systems.checkpointing import CheckpointPolicy
+
+    try:
+        return str(CheckpointPolicy.parse(value))
+    except (TypeError, ValueError) as exc:
+        raise MatrixError(f"{where}: {exc}") from None
+
+
+# Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
+_CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
+
 # The warm-up study reuses the LM grid but sweeps the number of warm-up rounds.
 _WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
 
@@ -190,6 +202,7 @@ _DATA_PARALLEL_GRID = {
 SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
     "end_to_end": _LM_GRID,
     "warmup_study": _WARMUP_GRID,
+    "checkpointing": _CHECKPOINT_GRID,
     "attention": _ATTENTION_GRID,
     "flash": _ATTENTION_GRID,
     "leaderboard": _ATTENTION_GRID,
@@ -214,6 +227,7 @@ _SINGULAR = {
     "dtypes": "dtype",
     "causal": "causal",
     "backends": "backend",
+    "checkpoints": "checkpoint",
     "sizes_mb": "size_mb",
     "world_sizes": "world_size",
     "variants": "variant",

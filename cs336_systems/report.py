@@ -99,7 +99,7 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
 
 def _key(entry: dict) -> tuple:
     return (entry.get("test"),) + tuple(
-        entry.get(f) for f in (*LM_FIELDS, "warmup", *ATTENTION_FIELDS, *DIST_FIELDS)
+        entry.get(f) for f in (*LM_FIELDS, "checkpoint", "warmup", *ATTENTION_FIELDS, *DIST_FIELDS)
     )
 
 
@@ -215,6 +215,37 @@ def warmup_table(entries: list[dict]) -> str:
     header = ["size", "context", "mode", "precision", "compile", "warm-up steps", "ms (mean ± std)", "max ms",
               "min ms"]
     return "### Warm-up study\n\n" + _table(header, rows)
+
+
+def checkpointing_tables(entries: list[dict]) -> str:
+    """Per LM case, one row per activation-checkpointing policy: time and peak memory, and both relative
+    to the same run's "none" policy (recomputation costs time, saves activation memory)."""
+    cases = [e for e in entries if e.get("test") == "test_checkpointing"]
+    if not cases:
+        return ""
+    fields = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
+    out = []
+    for key in sorted({tuple(e.get(f) for f in fields) for e in cases}, key=str):
+        group = [e for e in cases if tuple(e.get(f) for f in fields) == key]
+        none = next((e for e in group if e.get("checkpoint") == "none"), None)
+        rows = []
+        for e in sorted(group, key=lambda e: (e.get("checkpoint") != "none", str(e.get("checkpoint")))):
+            ms, base_ms = _ms(e), _ms(none)
+            peak = e.get("peak_memory_gib") if e.get("status") == "ok" else None
+            base_peak = none.get("peak_memory_gib") if none and none.get("status") == "ok" else None
+            same_run = none is not None and none.get("run") == e.get("run")
+            rows.append([
+                str(e.get("checkpoint")), _cell_time(e),
+                f"{ms / base_ms:.2f}x" if ms and base_ms and same_run else "-",
+                _fmt(peak, ".2f"),
+                f"{peak / base_peak:.2f}x" if peak and base_peak and same_run else "-",
+            ])
+        case = dict(zip(fields, key))
+        title = (f"### Activation checkpointing: {case['size']}, context {case['context']}, batch "
+                 f"{case['batch_size']}, {case['mode']}, {case['precision']}, {_compile_label(case['compile'])}")
+        out.append(title + "\n\n" + _table(["policy", "ms (mean ± std)", "time ÷ none", "peak GiB", "peak ÷ none"],
+                                            rows))
+    return "\n\n".join(out)
 
 
 # --- attention suites ----------------------------------------------------------------------------------
@@ -820,6 +851,7 @@ def render(paths: list[str | Path], plots_dir: str | Path | None = None,
         comparison_table(entries, "compile", False, True, "eager vs torch.compile"),
         comparison_table(entries, "attention", "naive", "sdpa", "naive vs SDPA attention"),
         warmup_table(entries),
+        checkpointing_tables(entries),
         attention_sweep_tables(entries),
         flash_tables(entries),
         leaderboard_table(entries),

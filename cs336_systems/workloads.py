@@ -58,19 +58,25 @@ def lm_step(
     precision: str = "fp32",
     compile: bool = False,
     attention: str = "sdpa",
+    checkpoint: str = "none",
     device: torch.device | str = "cpu",
     vocab_size: int = 10_000,
     lr: float = 1e-4,
     seed: int = 0,
 ) -> LMStep:
-    """Build an LM workload and return ``step()`` running one ``mode`` step on it."""
+    """Build an LM workload and return ``step()`` running one ``mode`` step on it.
+
+    ``checkpoint`` is an activation-checkpointing policy (`cs336_systems.checkpointing`: "none",
+    "every-k", "sqrt"): blocks recompute their activations in backward instead of keeping them.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     amp.check_precision(precision)
     device = torch.device(device)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = build(size, context_length=context, attention=attention, vocab_size=vocab_size)
+        model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
+                      checkpoint=checkpoint)
     if compile:
         compile_blocks(model)
     generator = torch.Generator(device).manual_seed(seed)

@@ -66,7 +66,7 @@ def _load_matrix(config: pytest.Config) -> matrix.Matrix:
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("attention", "{}"), ("backend", "{}"), ("variant", "{}"),
+    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"), ("variant", "{}"),
     ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"), ("warmup", "w{}"),
     ("flush_l2", None),
 )

@@ -1,6 +1,7 @@
 """End-to-end LM benchmarks (cases from benchmarks.json).
 
 end_to_end    size x context x batch x mode x precision x eager/compiled
+checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt): time and peak memory
 warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
               steps include allocator growth, cuBLAS/cuDNN heuristics and (compiled) compilation: a
               higher mean and a much larger std.  Each case builds a fresh model and resets dynamo, but
@@ -19,7 +20,7 @@ def _run_lm_case(case, bench, device):
         lambda: workloads.lm_step(
             size=case["size"], context=case["context"], batch_size=case["batch_size"],
             mode=case["mode"], precision=case["precision"], compile=case["compile"],
-            attention=case["attention"], device=device,
+            attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device,
         ),
         case=case,
         flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),
@@ -34,4 +35,9 @@ def test_end_to_end(case, bench, perf_device):
 
 @pytest.mark.suite("warmup_study")
 def test_warmup_study(case, bench, perf_device):
+    _run_lm_case(case, bench, perf_device)
+
+
+@pytest.mark.suite("checkpointing")
+def test_checkpointing(case, bench, perf_device):
     _run_lm_case(case, bench, perf_device)

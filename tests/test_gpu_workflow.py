@@ -47,7 +47,7 @@ WORKFLOW = ROOT / ".github" / "workflows" / "perf-gpu.yml"
 
 # Which runner each suite needs.  A suite in neither set fails test_every_suite_has_a_runner_kind, so a
 # new suite forces a decision here and a job in the workflow.
-SINGLE_GPU_SUITES = {"end_to_end", "warmup_study", "attention", "flash", "leaderboard"}
+SINGLE_GPU_SUITES = {"end_to_end", "warmup_study", "checkpointing", "attention", "flash", "leaderboard"}
 MULTI_GPU_SUITES = {"allreduce", "data_parallel"}
 
 

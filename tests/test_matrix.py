@@ -278,3 +278,16 @@ def test_malformed_distributed_grids_name_the_problem(data, mutate, match):
     mutate(data)
     with pytest.raises(MatrixError, match=match):
         matrix.parse(data)
+
+
+def test_checkpointing_suite_sweeps_the_policies_on_xl(data):
+    cases = matrix.parse(data).cases("checkpointing", "gpu")
+    assert {c["checkpoint"] for c in cases} == {"none", "every-1", "every-2", "every-4", "sqrt"}
+    assert {(c["size"], c["context"], c["batch_size"], c["precision"], c["mode"]) for c in cases} == {
+        ("xl", 512, 4, "bf16", "train-step")}
+
+
+def test_bad_checkpoint_policy_names_the_path(data):
+    data["suites"]["checkpointing"]["profiles"]["gpu"][0]["checkpoints"] = ["none", "every-0"]
+    with pytest.raises(MatrixError, match=r"checkpointing\.profiles\.gpu\[0\]\.checkpoints\[1\]: .*every-0"):
+        matrix.parse(data)

@@ -659,3 +659,19 @@ def test_readme_allreduce_and_data_parallel_summaries(tmp_path):
             assert "'bad'" in str(err)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+def test_checkpointing_table_relates_every_policy_to_none(tmp_path):
+    def ckpt(policy, median_s, peak):
+        entry = _bench("xl", 512, "train-step", "bf16", False, median_s, test="test_checkpointing")
+        entry["extra_info"].update(checkpoint=policy, peak_memory_gib=peak)
+        return entry
+
+    run = _run(tmp_path, "ckpt.json", [ckpt("sqrt", 0.150, 12.0), ckpt("none", 0.100, 40.0), ckpt("every-1", 0.130, 20.0)])
+    text = report.checkpointing_tables(report.load_runs([run])[0])
+    assert "### Activation checkpointing: xl, context 512, batch 4, train-step, bf16, eager" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "policy" not in line]
+    assert lines[0].startswith("| none | 100.00 ± 1.00 | 1.00x | 40.00 | 1.00x |")  # none first
+    assert "| every-1 | 130.00 ± 1.30 | 1.30x | 20.00 | 0.50x |" in text
+    assert "| sqrt | 150.00 ± 1.50 | 1.50x | 12.00 | 0.30x |" in text
+    assert report.checkpointing_tables(report.load_runs([_run(tmp_path, "e.json", [])])[0]) == ""
