@@ -217,6 +217,32 @@ def warmup_table(entries: list[dict]) -> str:
     return "### Warm-up study\n\n" + _table(header, rows)
 
 
+def peak_memory_tables(entries: list[dict]) -> str:
+    """End-to-end peak memory (GiB, measured rounds only) per size x context, one column per (mode,
+    precision): the seeds' "peak memory of the 2.7B model" table, for every size that ran."""
+    lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
+          and e.get("attention") == "sdpa"]
+    cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}
+    columns = [(m, p) for m in MODE_ORDER for p in ("fp32", "bf16", "fp16")
+               if any(k[3] == m and k[4] == p for k in cells)]
+    if not columns or not any(e.get("peak_memory_gib") is not None for e in lm):
+        return ""
+    rows = []
+    for size, context, batch in sorted({k[:3] for k in cells}, key=lambda k: (_order({"size": k[0], "context": k[1]}), k[2])):
+        row = [str(size), str(context), str(batch)]
+        for mode, precision in columns:
+            e = cells.get((size, context, batch, mode, precision))
+            if e is None:
+                row.append("-")
+            elif e.get("status") == "oom":
+                row.append("OOM")
+            else:
+                row.append(_fmt(e.get("peak_memory_gib"), ".2f"))
+        rows.append(row)
+    header = ["size", "context", "batch"] + [f"{m} {p} GiB" for m, p in columns]
+    return "### Peak memory (eager, SDPA attention)\n\n" + _table(header, rows)
+
+
 def checkpointing_tables(entries: list[dict]) -> str:
     """Per LM case, one row per activation-checkpointing policy: time and peak memory, and both relative
     to the same run's "none" policy (recomputation costs time, saves activation memory)."""
@@ -851,6 +877,7 @@ def render(paths: list[str | Path], plots_dir: str | Path | None = None,
         comparison_table(entries, "compile", False, True, "eager vs torch.compile"),
         comparison_table(entries, "attention", "naive", "sdpa", "naive vs SDPA attention"),
         warmup_table(entries),
+        peak_memory_tables(entries),
         checkpointing_tables(entries),
         attention_sweep_tables(entries),
         flash_tables(entries),

@@ -675,3 +675,16 @@ def test_checkpointing_table_relates_every_policy_to_none(tmp_path):
     assert "| every-1 | 130.00 ± 1.30 | 1.30x | 20.00 | 0.50x |" in text
     assert "| sqrt | 150.00 ± 1.50 | 1.50x | 12.00 | 0.30x |" in text
     assert report.checkpointing_tables(report.load_runs([_run(tmp_path, "e.json", [])])[0]) == ""
+
+
+def test_peak_memory_table_per_mode_and_precision(tmp_path):
+    entries = []
+    for mode, precision, peak in [("forward", "fp32", 12.9), ("forward", "bf16", 19.1), ("train-step", "fp32", 51.0)]:
+        bench = _bench("2.7B", 128, mode, precision, False, 0.1)
+        bench["extra_info"]["peak_memory_gib"] = peak
+        entries.append(bench)
+    compiled = _bench("2.7B", 128, "forward", "fp32", True, 0.1)  # compiled cases are not in this table
+    compiled["extra_info"]["peak_memory_gib"] = 99.0
+    text = report.peak_memory_tables(report.load_runs([_run(tmp_path, "m.json", entries + [compiled])])[0])
+    assert "| size | context | batch | forward fp32 GiB | forward bf16 GiB | train-step fp32 GiB |" in text
+    assert "| 2.7B | 128 | 4 | 12.90 | 19.10 | 51.00 |" in text and "99.00" not in text
