@@ -103,15 +103,26 @@ def _pack(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat(pieces + [flags])
 
 
-def _present_flags(buffers: list[tuple[list[nn.Parameter], torch.Tensor]]) -> list[list[bool]]:
-    """Per buffer, which tensors had a gradient on some rank: one device -> host read for all buffers."""
-    if not buffers:
-        return []
-    flags = torch.cat([buf[-len(params):].float() for params, buf in buffers]).gt(0).tolist()
+def _present_flags(buffers: list[tuple[list[nn.Parameter], torch.Tensor, bool]]) -> list[list[bool]]:
+    """Per buffer, which tensors had a gradient on some rank.
+
+    ``buffers`` holds (params, all-reduced buffer, complete) where ``complete`` says every tensor had a
+    gradient on this rank when the buffer was packed: then every flag is >= 1 after the all-reduce and
+    nothing needs reading.  The other buffers' flags are read in one device -> host copy, so the common
+    step (every gradient present) never stalls the CPU here and keeps queueing the copies and the
+    optimizer behind the communication.
+    """
+    unknown = [(params, buf) for params, buf, complete in buffers if not complete]
+    read: list[bool] = []
+    if unknown:
+        read = torch.cat([buf[-len(params):].float() for params, buf in unknown]).gt(0).tolist()
     out, offset = [], 0
-    for params, _ in buffers:
-        out.append(flags[offset:offset + len(params)])
-        offset += len(params)
+    for params, _, complete in buffers:
+        if complete:
+            out.append([True] * len(params))
+        else:
+            out.append(read[offset:offset + len(params)])
+            offset += len(params)
     return out
 
 
@@ -261,12 +272,13 @@ class FlatDDP(_DDPBase):
         self._groups = _group_by_dtype(self._params)
 
     def _finish(self) -> None:
+        complete = [all(p.grad is not None for p in group) for group in self._groups]
         buffers = [_pack(group) for group in self._groups]
         works = [self._all_reduce(buf, async_op=True) for buf in buffers]  # overlap the dtype groups
         for work in works:
             work.wait()
-        pairs = list(zip(self._groups, buffers))
-        for (group, buf), present in zip(pairs, _present_flags(pairs)):
+        packed = list(zip(self._groups, buffers, complete))
+        for (group, buf, _), present in zip(packed, _present_flags(packed)):
             _unpack(group, buf, self.world_size, present)
 
 
@@ -274,7 +286,8 @@ class _HookedBucketDDP(_DDPBase):
     """Buckets of parameters, each all-reduced asynchronously once all its gradients are accumulated.
 
     Per-step state: ``_waiting[b]`` counts bucket b's gradients not yet accumulated; ``_next`` is the
-    first bucket not yet launched; ``_in_flight`` holds (bucket, buffer, work) of launched buckets.
+    first bucket not yet launched; ``_in_flight`` holds (bucket, buffer, complete, work) of launched
+    buckets (complete: every gradient of the bucket was present on this rank when it was packed).
     """
 
     def __init__(self, module: nn.Module, buckets: list[list[int]], *, record_timing: bool) -> None:
@@ -307,7 +320,7 @@ class _HookedBucketDDP(_DDPBase):
         self._waiting = [len(bucket) for bucket in self._buckets]
         self._ready: set[int] = set()
         self._next = 0
-        self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+        self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, bool, object]] = []
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._require_sync:
@@ -326,8 +339,10 @@ class _HookedBucketDDP(_DDPBase):
             self._launch(self._next)
 
     def _launch(self, b: int) -> None:
-        buf = _pack(self._buckets[b])
-        self._in_flight.append((self._buckets[b], buf, self._all_reduce(buf, async_op=True)))
+        bucket = self._buckets[b]
+        complete = all(p.grad is not None for p in bucket)
+        buf = _pack(bucket)
+        self._in_flight.append((bucket, buf, complete, self._all_reduce(buf, async_op=True)))
         self._next = b + 1
 
     def forward(self, *args, **kwargs):
@@ -344,10 +359,10 @@ class _HookedBucketDDP(_DDPBase):
             # Buckets still waiting hold a parameter that got no gradient on this rank: launch them now.
             while self._next < len(self._buckets):
                 self._launch(self._next)
-            for _, _, work in self._in_flight:
+            for *_, work in self._in_flight:
                 work.wait()
-            pairs = [(params, buf) for params, buf, _ in self._in_flight]
-            for (params, buf), present in zip(pairs, _present_flags(pairs)):
+            packed = [(params, buf, complete) for params, buf, complete, _ in self._in_flight]
+            for (params, buf, _), present in zip(packed, _present_flags(packed)):
                 _unpack(params, buf, self.world_size, present)
         finally:
             self._reset_step()
