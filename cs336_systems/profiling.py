@@ -59,6 +59,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from types import SimpleNamespace
+
 import torch
 
 PHASES = ("forward", "backward", "optimizer")
@@ -428,9 +430,34 @@ def _summarize_range(name: str, occurrences: int, placed: list[tuple[int, _Item]
     )
 
 
+def _kineto_events(prof: torch.profiler.profile) -> list[SimpleNamespace] | None:
+    """The raw Kineto events of a finished profile, in the fields `summarize_events` reads.
+
+    On CUDA the kernel -> launching-call link (``linked_correlation_id``) is read from here rather than
+    from ``prof.events()``: the FunctionEvents of some torch releases (2.11 on the H100 runner) do not carry
+    it, which left every kernel unattributed.  The raw events have had it throughout torch 2.x.  Times are
+    converted to microseconds; only differences and containment are used.
+    """
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return None
+    out = []
+    for e in results.events():
+        start_us, end_us = e.start_ns() / 1e3, e.end_ns() / 1e3
+        out.append(SimpleNamespace(
+            name=e.name(), device_type=e.device_type(), id=e.correlation_id(),
+            linked_correlation_id=e.linked_correlation_id(), is_async=e.is_async(),
+            is_user_annotation=e.is_user_annotation(), activity_type=str(e.activity_type()),
+            time_range=SimpleNamespace(start=start_us, end=end_us), self_cpu_time_total=end_us - start_us,
+        ))
+    return out
+
+
 def summarize_profile(prof: torch.profiler.profile, *, device: str, top_k: int = 10, **kwargs) -> KernelSummary:
-    """`summarize_events` of a finished `torch.profiler.profile` (``prof.events()``)."""
-    return summarize_events(prof.events(), device=device, top_k=top_k, **kwargs)
+    """`summarize_events` of a finished `torch.profiler.profile`: its raw Kineto events on CUDA (see
+    `_kineto_events`), ``prof.events()`` on CPU (which needs their self CPU times)."""
+    events = _kineto_events(prof) if _check_device(device) == "cuda" else None
+    return summarize_events(events if events is not None else prof.events(), device=device, top_k=top_k, **kwargs)
 
 
 def profiler_activities(device: str) -> list[torch.profiler.ProfilerActivity]:

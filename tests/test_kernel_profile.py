@@ -331,3 +331,22 @@ def test_out_of_memory_becomes_a_message(monkeypatch, capsys):
     monkeypatch.setattr(prof_cli, "profile", oom)
     assert prof_cli.main(["--size", "tiny", "--context", "8", "--device", "cpu"]) == 1
     assert "out of memory profiling" in capsys.readouterr().err
+
+
+def test_raw_kineto_events_carry_the_fields_the_cuda_path_reads():
+    """The CUDA summary reads the raw Kineto events (their kernel -> launch link exists in every torch 2.x;
+    FunctionEvents of torch 2.11 lack it, which left every kernel of the H100 run unattributed)."""
+    from cs336_systems import profiling
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("forward"):
+            x = torch.randn(32, 32)
+            (x @ x).sum()
+    events = profiling._kineto_events(prof)
+    assert events, "no raw events"
+    forward = [e for e in events if e.name == "forward"]
+    assert len(forward) == 1 and forward[0].is_user_annotation
+    ops = [e for e in events if e.name == "aten::mm"]
+    assert ops and all(e.linked_correlation_id == 0 and not e.is_user_annotation for e in ops)
+    # ops nest inside the range on the same (microsecond) clock
+    assert forward[0].time_range.start <= ops[0].time_range.start <= ops[0].time_range.end <= forward[0].time_range.end
