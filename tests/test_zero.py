@@ -8,13 +8,20 @@ buckets), a 0-dim parameter, a parameter used only on some steps and by some ran
 rank, or on some), and a frozen parameter unfrozen with add_param_group after 5 steps.  Flat sizes 115 and 47
 do not divide by 2 or 3, so zero1 pads.  One spawned job per world size runs every check and returns numbers;
 the tests below assert on them.
+
+zero1 with ``bucket_size_mb`` + ``overlap=True`` runs the same checks for three bucket caps (one bucket per
+group and dtype, several, one per tensor), plus probes: the flat reduce-scatter / all-gather functions are
+wrapped inside the worker to count reduce-scatters issued before ``step()`` (from backward hooks) and the
+all-gather temporaries alive at once (weak references).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -32,6 +39,8 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
 }
 FIRST_STEPS, RESUMED_STEPS = 10, 3
+# bucket caps in MiB: >= any group (1 bucket per group and dtype), 400 B (several), ~0 (one per tensor)
+BUCKETS = {"one": 1.0, "several": 400 / 2**20, "per-tensor": 1e-12}
 UNFREEZE_AT, HALVE_LR_AT = 5, 3
 
 
@@ -112,8 +121,11 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _sharded(model: Toy, opt_name: str, mode: str, unfrozen: bool = False) -> ShardedOptimizer:
+def _sharded(model: Toy, opt_name: str, mode: str, unfrozen: bool = False,
+             buckets: str | None = None) -> ShardedOptimizer:
     cls, kwargs = OPTIMIZERS[opt_name]
+    if buckets is not None:
+        kwargs = {**kwargs, "bucket_size_mb": BUCKETS[buckets], "overlap": True}
     opt = ShardedOptimizer(_groups(model), cls, mode=mode, **kwargs)
     if unfrozen:
         model.frozen.requires_grad_(True)
@@ -121,7 +133,53 @@ def _sharded(model: Toy, opt_name: str, mode: str, unfrozen: bool = False) -> Sh
     return opt
 
 
-def _equivalence_case(rank: int, world: int, opt_name: str, mode: str) -> dict:
+class _Probe:
+    """Counts, per step(), reduce-scatters issued before it (from hooks) and inside it, all-gathers, and the
+    most all-gather output temporaries alive at once, by wrapping the zero module's flat collectives."""
+
+    def __init__(self, opt: ShardedOptimizer) -> None:
+        self.opt, self.steps = opt, []
+        self.reduce_scatters = self.gathers = self.max_live = 0
+        self._live: list[weakref.ref] = []
+        self._saved = zero._reduce_scatter_flat, zero.all_gather_flat
+        inner_step = opt.step
+
+        def step(*args, **kwargs):
+            before, gathers = self.reduce_scatters, self.gathers
+            inner_step(*args, **kwargs)
+            self.steps.append({"before": before, "in_step": self.reduce_scatters - before,
+                               "overlapped": opt.overlapped_reduce_scatters, "buckets": opt.num_buckets,
+                               "gathers": self.gathers - gathers})
+            self.reduce_scatters = 0
+
+        opt.step = step
+
+    def __enter__(self) -> "_Probe":
+        rs, ag = self._saved
+
+        def reduce_scatter(*args, **kwargs):
+            self.reduce_scatters += 1
+            return rs(*args, **kwargs)
+
+        def all_gather(output, input):
+            self._live = [r for r in self._live if r() is not None] + [weakref.ref(output)]
+            self.max_live = max(self.max_live, len(self._live))
+            self.gathers += 1
+            # gloo's worker thread may still hold the tensors of a finished collective for a moment: give it
+            # a stand-in, so the weak references see only the optimizer's own references to ``output``
+            stand_in = torch.empty_like(output)
+            ag(stand_in, input)
+            output.copy_(stand_in)
+
+        zero._reduce_scatter_flat, zero.all_gather_flat = reduce_scatter, all_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        zero._reduce_scatter_flat, zero.all_gather_flat = self._saved
+        del self.opt.step
+
+
+def _equivalence_case(rank: int, world: int, opt_name: str, mode: str, buckets: str | None = None) -> dict:
     cls, kwargs = OPTIMIZERS[opt_name]
     total = FIRST_STEPS + RESUMED_STEPS
     out: dict = {}
@@ -136,9 +194,11 @@ def _equivalence_case(rank: int, world: int, opt_name: str, mode: str) -> dict:
     out["ref13"] = _snapshot(ref)
 
     model = Toy()
-    opt = _sharded(model, opt_name, mode)
-    for t in range(FIRST_STEPS):
-        _train_step(model, opt, t, world, rank, mode)
+    opt = _sharded(model, opt_name, mode, buckets=buckets)
+    with _Probe(opt) as probe:
+        for t in range(FIRST_STEPS):
+            _train_step(model, opt, t, world, rank, mode)
+    out["probe"], out["max_live_gathers"] = probe.steps, probe.max_live
     out["sharded10"] = _snapshot(model)
     out["state_bytes"] = opt.local_state_bytes()
 
@@ -151,13 +211,13 @@ def _equivalence_case(rank: int, world: int, opt_name: str, mode: str) -> dict:
 
     # Resume from this rank's shard: a fresh model and optimizer (params loaded after construction).
     resumed = Toy()
-    resumed_opt = _sharded(resumed, opt_name, mode, unfrozen=True)
+    resumed_opt = _sharded(resumed, opt_name, mode, unfrozen=True, buckets=buckets)
     resumed.load_state_dict(model.state_dict())
     shard_file.seek(0)
     resumed_opt.load_state_dict(torch.load(shard_file, weights_only=True))
     # Resume from the unsharded reference's checkpoint (the full format).
     from_full = Toy()
-    from_full_opt = _sharded(from_full, opt_name, mode, unfrozen=True)
+    from_full_opt = _sharded(from_full, opt_name, mode, unfrozen=True, buckets=buckets)
     from_full.load_state_dict(ref_model_sd10)
     from_full_opt.load_state_dict(copy.deepcopy(out["ref_opt_sd10"]))
     for t in range(FIRST_STEPS, total):
@@ -169,19 +229,21 @@ def _equivalence_case(rank: int, world: int, opt_name: str, mode: str) -> dict:
     return out
 
 
-def _memory_case(rank: int, world: int, mode: str) -> dict:
+def _memory_case(rank: int, world: int, mode: str, buckets: str | None = None) -> dict:
     g = torch.Generator().manual_seed(7)
     sizes = torch.randint(1, 101, (24,), generator=g).tolist()
     params = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
     ref_params = [nn.Parameter(p.detach().clone()) for p in params]
-    opt = ShardedOptimizer(params, torch.optim.AdamW, mode=mode, lr=1e-3)
+    extra = {} if buckets is None else {"bucket_size_mb": BUCKETS[buckets], "overlap": True}
+    opt = ShardedOptimizer(params, torch.optim.AdamW, mode=mode, lr=1e-3, **extra)
     ref = torch.optim.AdamW(ref_params, lr=1e-3)
     for p in params + ref_params:
         p.grad = torch.ones_like(p)
     opt.step()
     ref.step()
     ref_bytes = sum(v.numel() * v.element_size() for s in ref.state.values() for v in s.values())
-    return {"bytes": opt.local_state_bytes(), "ref_bytes": ref_bytes, "max_numel": max(sizes)}
+    return {"bytes": opt.local_state_bytes(), "ref_bytes": ref_bytes, "max_numel": max(sizes),
+            "buckets": max(opt.num_buckets, 1)}
 
 
 def _fallback_case(rank: int, world: int) -> dict:
@@ -243,13 +305,61 @@ def _error_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _overlap_cases(rank: int, world: int) -> dict:
+    """The hooks' weak reference, a second backward before step(), and hooks on a param unfrozen later."""
+    out = {}
+    model = Toy()
+    opt = _sharded(model, "adamw", "zero1", buckets="several")
+    _train_step(model, opt, 1, world, rank, "zero1")
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    out["collected"] = alive() is None
+    # the orphaned hooks are gone (or inert): backward on the same model still works without the optimizer
+    _local_loss(model, 1, rank).backward()
+    out["backward_after_collect"] = "ok"
+
+    model.zero_grad()
+    opt = _sharded(model, "sgd", "zero1", buckets="per-tensor")
+    _local_loss(model, 1, rank).backward()
+    out["second_backward"] = _error_message(lambda: _local_loss(model, 1, rank).backward())
+    # the hook raised inside the second backward; ranks recover by starting over from zero_grad + one backward
+    del opt
+    gc.collect()
+
+    # a frozen parameter inside a group: no hook, so its bucket waits for step(); unfrozen later, it gets one
+    model = Toy()
+    group = {"params": [model.frozen, model.lin1.weight], "lr": 1e-2}
+    opt = ShardedOptimizer([group], torch.optim.SGD, mode="zero1", bucket_size_mb=1.0, overlap=True, lr=1e-2)
+    counts = []
+    for unfreeze in (False, True):
+        model.frozen.requires_grad_(unfreeze)
+        opt.zero_grad()
+        _local_loss(model, 1, rank).backward()
+        opt.step()
+        counts.append(opt.overlapped_reduce_scatters)
+    model.frozen.requires_grad_(True)
+    opt.zero_grad()
+    _local_loss(model, 1, rank).backward()
+    opt.step()
+    counts.append(opt.overlapped_reduce_scatters)
+    out["frozen_counts"] = counts  # [0 (frozen: no hook), 0 (hook registered in that step), 1]
+    return out
+
+
 def _job(rank: int, world: int) -> bytes:
     results: dict = {"equivalence": {}, "memory": {}}
     for opt_name in OPTIMIZERS:
         for mode in MODES:
             results["equivalence"][opt_name, mode] = _equivalence_case(rank, world, opt_name, mode)
+        for buckets in BUCKETS:
+            results["equivalence"][opt_name, "zero1", buckets] = _equivalence_case(
+                rank, world, opt_name, "zero1", buckets)
     for mode in MODES:
         results["memory"][mode] = _memory_case(rank, world, mode)
+    for buckets in BUCKETS:
+        results["memory"]["zero1", buckets] = _memory_case(rank, world, "zero1", buckets)
+    results["overlap"] = _overlap_cases(rank, world)
     results["fallback"] = _fallback_case(rank, world)
     results["errors"] = _error_cases(rank, world)
     # Serialized: tensors sent through spawn's queue as-is travel by shared-memory file descriptors, which
@@ -276,12 +386,17 @@ def _results(world: int) -> list[dict]:
 
 
 WORLDS = (2, 3)
-CASES = [(w, o, m) for w in WORLDS for o in OPTIMIZERS for m in MODES]
+CASES = ([(w, o, m, None) for w in WORLDS for o in OPTIMIZERS for m in MODES]
+         + [(w, o, "zero1", b) for w in WORLDS for o in OPTIMIZERS for b in BUCKETS])
 
 
-@pytest.mark.parametrize("world, opt_name, mode", CASES)
-def test_matches_unsharded_optimizer(world, opt_name, mode):
-    by_rank = [r["equivalence"][opt_name, mode] for r in _results(world)]
+def _key(opt_name: str, mode: str, buckets: str | None) -> tuple:
+    return (opt_name, mode) if buckets is None else (opt_name, mode, buckets)
+
+
+@pytest.mark.parametrize("world, opt_name, mode, buckets", CASES)
+def test_matches_unsharded_optimizer(world, opt_name, mode, buckets):
+    by_rank = [r["equivalence"][_key(opt_name, mode, buckets)] for r in _results(world)]
     ref10 = by_rank[0]["ref10"]
     # the run moved every trained parameter far beyond the tolerance (or the comparison would prove nothing)
     moved = {n: (ref10[n] - by_rank[0]["init"][n]).abs().max().item() for n in ref10}
@@ -293,19 +408,19 @@ def test_matches_unsharded_optimizer(world, opt_name, mode):
             assert torch.equal(value, by_rank[0]["sharded13"][name]), (rank, name)
 
 
-@pytest.mark.parametrize("world, opt_name, mode", CASES)
-def test_state_dict_round_trip_and_full_load(world, opt_name, mode):
+@pytest.mark.parametrize("world, opt_name, mode, buckets", CASES)
+def test_state_dict_round_trip_and_full_load(world, opt_name, mode, buckets):
     for rank, res in enumerate(_results(world)):
-        res = res["equivalence"][opt_name, mode]
+        res = res["equivalence"][_key(opt_name, mode, buckets)]
         for name, value in res["resumed13"].items():  # resuming from the shard is exact
             assert torch.equal(value, res["sharded13"][name]), (rank, name)
         # resuming from the unsharded optimizer's checkpoint continues the reference run
         torch.testing.assert_close(res["from_full13"], res["ref13"])
 
 
-@pytest.mark.parametrize("world, opt_name, mode", CASES)
-def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mode):
-    by_rank = [r["equivalence"][opt_name, mode] for r in _results(world)]
+@pytest.mark.parametrize("world, opt_name, mode, buckets", CASES)
+def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mode, buckets):
+    by_rank = [r["equivalence"][_key(opt_name, mode, buckets)] for r in _results(world)]
     full, ref = by_rank[-1]["consolidated"], by_rank[-1]["ref_opt_sd10"]
     assert full["param_groups"] == ref["param_groups"]
     assert sorted(full["state"]) == sorted(ref["state"])
@@ -316,19 +431,62 @@ def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mod
     assert by_rank[-1]["format_after_step"] == zero.LOCAL_FORMAT  # a step makes the consolidated copy stale
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("mode", MODES)
-def test_state_memory_is_split_across_ranks(world, mode):
-    by_rank = [r["memory"][mode] for r in _results(world)]
-    ref_bytes, max_numel = by_rank[0]["ref_bytes"], by_rank[0]["max_numel"]
+MEMORY_CASES = [(w, m, None) for w in WORLDS for m in MODES] + [(w, "zero1", b) for w in WORLDS for b in BUCKETS]
+
+
+@pytest.mark.parametrize("world, mode, buckets", MEMORY_CASES)
+def test_state_memory_is_split_across_ranks(world, mode, buckets):
+    by_rank = [r["memory"][mode if buckets is None else (mode, buckets)] for r in _results(world)]
+    ref_bytes, max_numel, n_buckets = by_rank[0]["ref_bytes"], by_rank[0]["max_numel"], by_rank[0]["buckets"]
+    if mode == "zero1":  # 24 float32 tensors of 4..400 bytes
+        assert {None: n_buckets == 1, "one": n_buckets == 1, "several": 1 < n_buckets < 24,
+                "per-tensor": n_buckets == 24}[buckets], n_buckets
     step_bytes = 4  # AdamW's per-tensor step counter (float32 scalar)
     moments = 2 * 4  # exp_avg + exp_avg_sq per float32 element
-    # broadcast: greedy keeps loads within one largest tensor; zero1: within the padding (+ split counters)
-    slack = max_numel * moments + 24 * step_bytes if mode == "broadcast" else (world - 1) * (moments + step_bytes)
+    # broadcast: greedy keeps loads within one largest tensor; zero1: within the padding (+ split counters),
+    # at most world - 1 elements and world - 1 split tensors per bucket
+    slack = (max_numel * moments + 24 * step_bytes if mode == "broadcast"
+             else n_buckets * (world - 1) * (moments + step_bytes))
     for rank, res in enumerate(by_rank):
         assert abs(res["bytes"] - ref_bytes / world) <= slack, (rank, res["bytes"], ref_bytes / world, slack)
     extra = sum(r["bytes"] for r in by_rank) - ref_bytes  # no element's state is held twice
-    assert 0 <= extra <= (world - 1) * step_bytes * (mode == "zero1"), extra
+    assert 0 <= extra <= n_buckets * (world - 1) * step_bytes * (mode == "zero1"), extra
+
+
+@pytest.mark.parametrize("world, opt_name, mode, buckets", CASES)
+def test_reduce_scatters_launched_from_backward_and_bounded_gathers(world, opt_name, mode, buckets):
+    for rank, res in enumerate(_results(world)):
+        res = res["equivalence"][_key(opt_name, mode, buckets)]
+        steps = res["probe"]
+        assert len(steps) == FIRST_STEPS
+        if mode == "broadcast":
+            assert all(s["before"] == s["in_step"] == s["gathers"] == 0 for s in steps), steps
+            continue
+        # the probe saw only all-gathers whose temporaries were freed before the next was allocated
+        assert res["max_live_gathers"] == 1, res["max_live_gathers"]
+        for t, s in enumerate(steps):
+            # one reduce-scatter and one all-gather per bucket per step, wherever it was launched
+            assert s["before"] + s["in_step"] == s["gathers"] == s["buckets"], (rank, t, s)
+            assert s["overlapped"] == s["before"], (rank, t, s)
+            if buckets is None:
+                assert s["before"] == 0, (rank, t, s)  # no hooks: everything inside step()
+            elif _uses_aux(t, rank):
+                assert s["before"] == s["buckets"], (rank, t, s)  # every gradient arrived: all overlapped
+            else:
+                assert s["in_step"] >= 1, (rank, t, s)  # aux's bucket (and later ones) wait for step()
+        if buckets is not None:
+            # step 1 (every gradient on every rank) launched all buckets from hooks; per-tensor has many
+            assert steps[1]["before"] == steps[1]["buckets"] >= {"one": 3, "several": 4, "per-tensor": 7}[buckets]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_overlap_hooks_do_not_keep_the_optimizer_alive_and_reject_a_second_backward(world):
+    for res in _results(world):
+        res = res["overlap"]
+        assert res["collected"] and res["backward_after_collect"] == "ok"
+        second = res["second_backward"]
+        assert second.startswith("RuntimeError") and "second gradient" in second and "parameter" in second, second
+        assert res["frozen_counts"] == [0, 0, 1], res["frozen_counts"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -363,3 +521,19 @@ def test_errors_without_process_group():
         ShardedOptimizer(params, nn.Linear, lr=0.1)
     with pytest.raises(TypeError, match="optimizer_cls"):
         ShardedOptimizer(params, torch.optim.SGD(params, lr=0.1), lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"mode": "zero1", "overlap": True}, ValueError, "overlap=True needs bucket_size_mb.*None"),
+    ({"mode": "zero1", "bucket_size_mb": 0}, ValueError, "bucket_size_mb.*positive.*0"),
+    ({"mode": "zero1", "bucket_size_mb": -2.5}, ValueError, "bucket_size_mb.*-2.5"),
+    ({"mode": "zero1", "bucket_size_mb": float("nan")}, ValueError, "bucket_size_mb.*nan"),
+    ({"mode": "zero1", "bucket_size_mb": "25"}, TypeError, "bucket_size_mb.*'25'"),
+    ({"mode": "zero1", "bucket_size_mb": 25, "overlap": 1}, TypeError, "overlap.*1"),
+    ({"mode": "broadcast", "bucket_size_mb": 25}, ValueError, "bucket_size_mb=25.*mode='broadcast'"),
+    ({"mode": "broadcast", "overlap": True}, ValueError, "overlap=True.*mode='broadcast'"),
+])
+def test_bucket_option_errors(kwargs, error, match):
+    # argument errors come before the process-group check, so no process group is needed here
+    with pytest.raises(error, match=match):
+        ShardedOptimizer([nn.Parameter(torch.zeros(3))], torch.optim.SGD, lr=0.1, **kwargs)

@@ -65,7 +65,7 @@ from torch import nn
 
 from cs336_systems.parallel.launch import require_process_group
 
-__all__ = ["SyncStats", "NaiveDDP", "FlatDDP", "DDPIndividualParameters", "DDPBucketed"]
+__all__ = ["SyncStats", "NaiveDDP", "FlatDDP", "DDPIndividualParameters", "DDPBucketed", "plan_buckets"]
 
 _MB = 2**20  # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does
 
@@ -381,7 +381,7 @@ class DDPIndividualParameters(_HookedBucketDDP):
         super().__init__(module, [[i] for i in reversed(range(n))], record_timing=record_timing)
 
 
-def _plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[int]]:
+def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[int]]:
     """Greedy assignment of parameter indices to buckets of at most ``bucket_size_mb`` MiB.
 
     Walk the parameters in reverse registration order; a parameter joins the open bucket of its
@@ -430,5 +430,5 @@ class DDPBucketed(_HookedBucketDDP):
                                  f"got {bucket_size_mb!r}")
         _check_module(module, who)
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, _plan_buckets(params, bucket_size_mb), record_timing=record_timing)
+        super().__init__(module, plan_buckets(params, bucket_size_mb), record_timing=record_timing)
         self.bucket_size_mb = bucket_size_mb

@@ -9,8 +9,11 @@ of random tokens (different on every rank) and the model built from one seed:
   "individual"      DDPIndividualParameters
   "bucketed"        DDPBucketed(bucket_size_mb)          (``None`` -> one bucket)
   "zero-broadcast"  DDPBucketed(bucket_size_mb or 25) + ShardedOptimizer(mode="broadcast")
-  "zero1"           ShardedOptimizer(mode="zero1") over the plain model: it reduce-scatters the local
-                    gradients itself (taking over DDP's all-reduce) and all-gathers the parameters
+  "zero1"           ShardedOptimizer(mode="zero1", bucket_size_mb=100, overlap=True) over the plain model:
+                    it reduce-scatters the local gradients itself in 100 MiB buckets (the best DDPBucketed
+                    size) from backward hooks, taking over DDP's all-reduce, and all-gathers the parameters
+                    bucket by bucket.  Under fp16 (GradScaler) overlap is off: the scaler unscales p.grad after
+                    backward, which overlapped buckets would already have read
   "fsdp"            FSDP(model, compute_dtype=bf16 under the bf16 mode, else None)
   "torch-zero"      torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
   "torch-fsdp2"     torch.distributed.fsdp.fully_shard on every TransformerBlock and the root
@@ -46,7 +49,6 @@ from cs336_systems.parallel.zero import ShardedOptimizer
 
 VARIANTS = ("none", "torch-ddp", "naive", "flat", "individual", "bucketed", "zero-broadcast", "zero1",
             "fsdp", "torch-zero", "torch-fsdp2")
-_OURS_WITH_SYNC = {"naive", "flat", "individual", "bucketed", "zero-broadcast", "fsdp"}
 
 
 def _tensor_bytes(tensors) -> int:
@@ -115,7 +117,8 @@ class DistributedTrainStep:
             for tensor in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(tensor.detach(), src=0)
             self.model = model
-            self.optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mode="zero1", **adamw)
+            self.optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mode="zero1",
+                                              bucket_size_mb=100, overlap=self.scaler is None, **adamw)
         elif variant == "fsdp":
             self.wrapper = FSDP(model, compute_dtype=low)
             self.model = self.wrapper
@@ -220,5 +223,7 @@ def train_case(device: torch.device, case: dict) -> dict:
         extra["memory_gib"] = {k: max(r[i] for r in gathered) / 2**30 for i, k in enumerate(step.memory)}
     if step.wrapper is not None and hasattr(step.wrapper, "num_buckets"):
         extra["num_buckets"] = step.wrapper.num_buckets
+    elif getattr(step.optimizer, "num_buckets", None) is not None:  # zero1's reduce-scatter buckets
+        extra["num_buckets"] = step.optimizer.num_buckets
     return {"status": "ok", "times_s": measured.times_s, "peak_memory_bytes": measured.peak_memory_bytes,
             "extra_info": extra}

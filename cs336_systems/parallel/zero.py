@@ -34,6 +34,29 @@ shard, so state memory per rank is ~1/world_size of the unsharded optimizer's.  
     to an all-reduce of the whole flat buffer and takes the local slice (2x the reduce-scatter's traffic);
     NCCL always uses the real reduce_scatter / all_gather_into_tensor.
 
+    Buckets and overlap (``bucket_size_mb``, ``overlap``; zero1 only).  By default each (param group, dtype,
+    device) is ONE flat buffer, reduce-scattered in ``step()``: a full-size gradient copy and a full-size
+    all-gather output are alive at once.  With ``bucket_size_mb`` each such flat space is split into buckets
+    of at most that many MiB (parameters in reverse registration order ~ the order backward produces their
+    gradients, greedily, as DDPBucketed plans them; a parameter larger than the cap gets its own bucket).
+    Every bucket is padded to a multiple of the world size and sharded on its own: rank r owns slice r of
+    EVERY bucket, so shards stay balanced by elements (off by at most world-1 padding elements per bucket)
+    and the transient buffers are one bucket each.  ``step()`` all-gathers bucket by bucket into a temporary
+    that is dropped before the next one is allocated (at most one full bucket alive).
+
+    ``overlap=True`` (needs ``bucket_size_mb``) launches each bucket's reduce-scatter asynchronously from
+    post-accumulate-grad hooks, as soon as all its gradients exist, so communication hides behind the rest
+    of backward.  Collectives are matched across ranks by issue order, so buckets launch strictly in bucket
+    order (a ready bucket waits for every earlier one) and ``step()`` launches the rest (buckets holding a
+    parameter that got no gradient on this rank, or one without a hook: frozen at registration); the
+    "has a gradient" all-reduce follows, so every rank issues the same sequence.  A bucket's packed
+    gradient copy is freed as soon as its reduce-scatter is seen complete.  Limits: exactly one backward
+    per ``step()`` (a second gradient for a parameter before ``step()`` raises RuntimeError; no
+    accumulation micro-steps), and gradients are read when their bucket launches, during backward, so
+    changes made to ``p.grad`` after backward (``GradScaler.unscale_``, clipping) are not seen.  The hooks
+    hold the optimizer weakly (a hook on a parameter lives in C++, beyond Python's cycle collector) and are
+    removed when the optimizer is collected.
+
     Exactness: slicing is exact for elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
     Optimizers with per-tensor state or statistics (Adafactor's factored moments, LAMB/LARS trust ratios,
     gradient-norm-based updates) see pieces instead of tensors and are NOT exact in "zero1": use "broadcast".
@@ -63,12 +86,14 @@ State-dict formats:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from cs336_systems.parallel.ddp import plan_buckets
 from cs336_systems.parallel.launch import require_process_group
 
 MODES = ("broadcast", "zero1")
@@ -100,17 +125,51 @@ def reduce_scatter_via_all_reduce(output: torch.Tensor, input: torch.Tensor) -> 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor) -> None:
     """output (S,) = slice ``rank`` of the sum over ranks of input (W*S,)."""
+    launch_reduce_scatter_sum(output, input).wait()
+
+
+class PendingReduceScatter:
+    """An asynchronous sum-reduce-scatter in flight.  Holds its input (W*S,) until the collective is done,
+    and, on the all-reduce fallback, copies the local slice into the output (S,) when waited."""
+
+    def __init__(self, work: Any, output: torch.Tensor, input: torch.Tensor, via_all_reduce: bool) -> None:
+        self._work: Any = work
+        self._output = output
+        self._input: torch.Tensor | None = input
+        self._via_all_reduce = via_all_reduce
+
+    @property
+    def holds_input(self) -> bool:
+        return self._input is not None
+
+    def _finish(self) -> None:
+        if self._via_all_reduce and self._input is not None:
+            self._output.copy_(self._input.view(dist.get_world_size(), -1)[dist.get_rank()])
+        self._input = None  # the packed gradients are dead once the collective has read them
+
+    def poll(self) -> None:
+        """Free the input early if the collective already finished (never blocks)."""
+        if self._input is not None and self._work.is_completed():
+            self._work.wait()  # no-op on a completed work; surfaces its error, orders the NCCL stream
+            self._finish()
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._finish()
+
+
+def launch_reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor) -> PendingReduceScatter:
+    """Start output (S,) = slice ``rank`` of the sum over ranks of input (W*S,); ``.wait()`` the result."""
     backend = dist.get_backend()
     if _native_reduce_scatter.get(backend, True):
         try:
-            _reduce_scatter_flat(output, input)
-            return
+            return PendingReduceScatter(_reduce_scatter_flat(output, input, async_op=True), output, input, False)
         except (RuntimeError, NotImplementedError):
             # An unimplemented op fails on every rank before any data moves, so all ranks fall back together.
             if backend != "gloo":
                 raise
             _native_reduce_scatter[backend] = False
-    reduce_scatter_via_all_reduce(output, input)
+    return PendingReduceScatter(dist.all_reduce(input, async_op=True), output, input, True)
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -125,6 +184,24 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor) -> None:
                 raise
             _native_all_gather[backend] = False
     dist.all_gather(list(output.chunk(dist.get_world_size())), input)
+
+
+def _make_hook(owner: "weakref.ref[ShardedOptimizer]") -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook holding the optimizer weakly: a strong reference from a parameter's
+    (C++) hook would keep optimizer, shards and state alive as long as the parameter."""
+
+    def hook(param: torch.Tensor) -> None:
+        optimizer = owner()
+        if optimizer is not None:
+            optimizer._on_grad_ready(param)
+
+    return hook
+
+
+def _remove_hooks(handles: dict[torch.Tensor, Any]) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
 
 
 def _check_same_on_all_ranks(params: list[torch.Tensor], who: str) -> None:
@@ -154,7 +231,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 class _Bucket:
-    """zero1: one flat buffer for the parameters of one (param group, dtype, device).
+    """zero1: one flat buffer for some parameters of one (param group, dtype, device).
 
     params[j] occupies [offsets[j], offsets[j] + numel) of the flat layout of ``world * shard_numel`` elements;
     ``shard`` (shard_numel,) is this rank's slice, the master copy the inner optimizer updates through
@@ -163,6 +240,7 @@ class _Bucket:
 
     def __init__(self, params: list[torch.Tensor], rank: int, world: int) -> None:
         self.params = params
+        self.world = world
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -171,6 +249,7 @@ class _Bucket:
         self.lo = rank * self.shard_numel
         hi = self.lo + self.shard_numel
         self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        self.grad_shard: torch.Tensor | None = None  # (shard_numel,) while this step's reduce-scatter runs
         self.pieces: list[tuple[int, int, int, nn.Parameter]] = []
         for j, (p, off) in enumerate(zip(params, self.offsets)):
             a, b = max(self.lo, off), min(hi, off + p.numel())
@@ -187,6 +266,19 @@ class _Bucket:
         for j, start, end, piece in self.pieces:
             piece.detach().view(-1).copy_(self.params[j].detach().reshape(-1)[start:end])
 
+    def pack_gradients(self) -> torch.Tensor:
+        """-> (world * shard_numel,) this rank's gradients in the flat layout; zeros where p.grad is None."""
+        flat = self.shard.new_empty(self.shard_numel * self.world)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is None:
+                flat[off:off + p.numel()].zero_()
+            elif p.grad.is_sparse:
+                raise ValueError("ShardedOptimizer(mode='zero1') needs dense gradients, got a sparse one")
+            else:
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        flat[self.numel:].zero_()  # padding
+        return flat
+
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_cls`` so each rank keeps state only for its shard; see the module docstring.
@@ -194,15 +286,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
     params: parameters or parameter groups (dicts with their own hyperparameters), identical on all ranks.
     optimizer_cls: a `torch.optim.Optimizer` subclass; ``**kwargs`` are its default hyperparameters.
     mode: "broadcast" (gradients already averaged, e.g. by DDP) or "zero1" (local gradients, reduce-scattered).
+    bucket_size_mb: zero1 only: positive MiB per bucket, or None for one flat buffer per (group, dtype, device).
+    overlap: zero1 with bucket_size_mb only: reduce-scatter each bucket from backward hooks (overlapped).
+
+    After each zero1 ``step()``, ``overlapped_reduce_scatters`` is how many buckets were launched from
+    backward hooks (the rest were launched inside ``step()``).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
-                 mode: str = "broadcast", **kwargs: Any) -> None:
+                 mode: str = "broadcast", *, bucket_size_mb: float | None = None, overlap: bool = False,
+                 **kwargs: Any) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        if bucket_size_mb is not None:
+            if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+                raise TypeError(f"bucket_size_mb must be a number or None, got {bucket_size_mb!r}")
+            if not bucket_size_mb > 0:  # also rejects NaN
+                raise ValueError(f"bucket_size_mb must be positive (or None for one buffer), got {bucket_size_mb!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        if mode != "zero1" and (bucket_size_mb is not None or overlap):
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r} and overlap={overlap!r} apply to mode='zero1' "
+                             f"only, not mode={mode!r}")
+        if overlap and bucket_size_mb is None:
+            raise ValueError("overlap=True needs bucket_size_mb (a bucket is the unit launched from backward), "
+                             "got bucket_size_mb=None")
         require_process_group("ShardedOptimizer")
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap = overlap
+        self.overlapped_reduce_scatters = 0
         # Set before super().__init__, which calls self.add_param_group for every initial group.
         self.mode = mode
         self.optimizer_cls = optimizer_cls
@@ -212,12 +326,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner: torch.optim.Optimizer | None = None
         self._loads = [0] * self._world  # broadcast: elements owned per rank
         self._owner: dict[torch.Tensor, int] = {}  # broadcast: parameter -> owning rank
-        self._buckets: list[_Bucket] = []  # zero1, in param-group order
+        self._buckets: list[_Bucket] = []  # zero1, in launch order (param-group order, then bucket plan)
+        # zero1 per-step launch state (see _on_grad_ready): bucket -> gradients still missing, launched ids
+        self._bucket_of: dict[torch.Tensor, int] = {}
+        self._waiting: list[int] = []
+        self._ready: set[int] = set()
+        self._next = 0  # first bucket not launched yet this step
+        self._in_flight: list[PendingReduceScatter] = []
+        self._hook_handles: dict[torch.Tensor, Any] = {}
         self._piece_of: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # inner param -> (param, a, b)
         self._broadcast_plan: list[tuple[int, list[torch.Tensor]]] | None = None
         self._consolidated: dict[str, Any] | None = None
         super().__init__(params, dict(kwargs))
         self.state = self._inner.state  # `opt.state[p]` works for this rank's (shard) parameters
+        # Removes the hooks once this optimizer is collected; the callback must not reference self.
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    @property
+    def num_buckets(self) -> int:
+        """zero1: flat buffers (one reduce-scatter and one all-gather each per step); 0 in broadcast mode."""
+        return len(self._buckets)
 
     # ------------------------------------------------------------------ parameter assignment
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -258,17 +386,60 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return local
 
     def _shard_zero1(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in params:
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        if self.bucket_size_mb is None:  # one buffer per kind, parameters in registration order
+            by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+            for i, p in enumerate(params):
+                by_kind.setdefault((p.dtype, p.device), []).append(i)
+            plan = list(by_kind.values())
+        else:
+            plan = plan_buckets(params, self.bucket_size_mb)
         local = []
-        for same_kind in by_kind.values():
-            bucket = _Bucket(same_kind, self._rank, self._world)
+        for indices in plan:
+            members = [params[i] for i in indices]
+            bucket = _Bucket(members, self._rank, self._world)
+            for p in members:
+                self._bucket_of[p] = len(self._buckets)
             self._buckets.append(bucket)
+            self._waiting.append(len(members))
             for j, start, end, piece in bucket.pieces:
-                self._piece_of[piece] = (same_kind[j], start, end)
+                self._piece_of[piece] = (members[j], start, end)
                 local.append(piece)
+        if self.overlap:
+            self._register_hooks(params)
         return local
+
+    # ------------------------------------------------------------------ zero1: launching reduce-scatters
+    def _register_hooks(self, params: list[torch.Tensor]) -> None:
+        """Hooks on the trainable ``params`` that lack one (frozen ones cannot take a hook)."""
+        owner = weakref.ref(self)
+        for p in params:
+            if p.requires_grad and p not in self._hook_handles:
+                self._hook_handles[p] = p.register_post_accumulate_grad_hook(_make_hook(owner))
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if id(param) in self._ready:
+            index = self._global_index()[param]
+            raise RuntimeError(
+                f"ShardedOptimizer(overlap=True): parameter {index} (param_groups order, shape "
+                f"{tuple(param.shape)}) received a second gradient before step(); its bucket's reduce-scatter "
+                "already read the first one.  Exactly one backward per step() is supported with overlap=True")
+        self._ready.add(id(param))
+        self._waiting[self._bucket_of[param]] -= 1
+        # Strictly in bucket order, so every rank issues the same collectives in the same order.
+        while self._next < len(self._buckets) and self._waiting[self._next] == 0:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Pack bucket ``_next``'s gradients and start its reduce-scatter into a fresh shard gradient."""
+        for pending in self._in_flight:
+            pending.poll()  # free the packed copies of buckets already reduced
+        bucket = self._buckets[self._next]
+        bucket.grad_shard = torch.empty_like(bucket.shard)
+        self._in_flight.append(launch_reduce_scatter_sum(bucket.grad_shard, bucket.pack_gradients()))
+        self._next += 1
+        if not self.overlap:
+            self._in_flight[-1].wait()  # one packed copy alive at a time
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -284,6 +455,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._inner.step(**kwargs)
             self._broadcast_parameters()
         else:
+            self.overlapped_reduce_scatters = self._next  # launched from backward hooks this step
             self._reduce_scatter_gradients()
             self._inner.step(**kwargs)
             self._all_gather_parameters()
@@ -310,32 +482,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     offset += p.numel()
 
     def _reduce_scatter_gradients(self) -> None:
+        """Launch the buckets backward did not (all of them without overlap), then set the shards' grads."""
+        try:
+            if self.overlap:
+                self._register_hooks([p for group in self.param_groups for p in group["params"]])  # unfrozen since
+            while self._next < len(self._buckets):
+                self._launch_next()
+            received = self._received_gradients()  # issued after every reduce-scatter, on every rank
+            for pending in self._in_flight:
+                pending.wait()
+            for bucket in self._buckets:
+                grad_shard, bucket.grad_shard = bucket.grad_shard, None
+                grad_shard.div_(self._world)
+                bucket.refresh()
+                for j, start, end, piece in bucket.pieces:
+                    a = bucket.offsets[j] + start - bucket.lo
+                    keep = received is None or received[bucket.params[j]]
+                    piece.grad = grad_shard[a:a + end - start].view_as(piece) if keep else None
+        finally:
+            self._reset_launches()
+
+    def _received_gradients(self) -> dict[torch.Tensor, bool] | None:
+        """Which parameters have a gradient on some rank (None: all of them).
+
+        One all-reduce of an int32 per parameter, issued by every rank; it is read back (a device -> host
+        sync under NCCL) only by a rank that lacks some gradient itself: otherwise every count is >= 1.
+        """
         params = [p for group in self.param_groups for p in group["params"]]
-        # How many ranks hold a gradient for each parameter: 0 -> skip it like the unsharded optimizer would.
-        have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_comm_device())
-        dist.all_reduce(have)
-        received = {p: n > 0 for p, n in zip(params, have.tolist())}
+        flags = [p.grad is not None for p in params]
+        have = torch.tensor(flags, dtype=torch.int32)
+        device = _comm_device()
+        if device.type == "cuda":
+            have = have.pin_memory().to(device, non_blocking=True)  # no host stall behind queued kernels
+        dist.all_reduce(have, async_op=True).wait()  # under NCCL, wait() only orders the stream
+        if all(flags):
+            return None
+        return {p: n > 0 for p, n in zip(params, have.tolist())}
+
+    def _reset_launches(self) -> None:
+        self._waiting = [len(bucket.params) for bucket in self._buckets]
+        self._ready.clear()
+        self._next = 0
+        self._in_flight = []
         for bucket in self._buckets:
-            flat = bucket.shard.new_zeros(bucket.shard_numel * self._world)  # padding stays zero
-            for p, off in zip(bucket.params, bucket.offsets):
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise ValueError("ShardedOptimizer(mode='zero1') needs dense gradients, got a sparse one")
-                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-            grad_shard = torch.empty_like(bucket.shard)
-            reduce_scatter_sum(grad_shard, flat)
-            grad_shard.div_(self._world)
-            bucket.refresh()
-            for j, start, end, piece in bucket.pieces:
-                a = bucket.offsets[j] + start - bucket.lo
-                piece.grad = grad_shard[a:a + end - start].view_as(piece) if received[bucket.params[j]] else None
+            bucket.grad_shard = None
 
     def _all_gather_parameters(self) -> None:
+        # One bucket-sized temporary at a time: each is dropped before the next is allocated.
         for bucket in self._buckets:
             flat = bucket.shard.new_empty(bucket.shard_numel * self._world)
             all_gather_flat(flat, bucket.shard)
             for p, off in zip(bucket.params, bucket.offsets):
                 p.copy_(flat[off:off + p.numel()].view_as(p))
+            del flat
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients (and the shard gradients zero1 keeps after a step)."""
