@@ -355,8 +355,10 @@ def test_runner_labels_and_timeouts(workflow, insts):
             if "uses" in step:
                 version = re.search(r"@v(\d+)$", step["uses"])
                 assert version and int(version.group(1)) >= 4, f"{job_id}: {step['uses']} (v3 and older are retired)"
-    tests_jobs = _jobs_running(insts, lambda r: "tests/" in r.args)
+    tests_jobs = _jobs_running(insts, lambda r: "tests/" in r.args and "-m" not in r.args)
     assert tests_jobs and all("single-gpu" in i.job["runs-on"] for i in tests_jobs)
+    multi_tests = _jobs_running(insts, lambda r: "tests/" in r.args and "multi_gpu" in r.args)
+    assert multi_tests and all("multi-gpu" in i.job["runs-on"] for i in multi_tests)
     torchrun_jobs = [i for i in insts if any(r.torchrun for r in pytest_runs(i))]
     assert torchrun_jobs and all("multi-gpu" in i.job["runs-on"] for i in torchrun_jobs)
 
@@ -417,8 +419,16 @@ def _assert_cuda_check_behaves(code: str):
         sys.modules["torch"] = saved
 
 
+def test_multi_gpu_runner_runs_the_multi_gpu_marked_tests(insts):
+    runs = [(i, r) for i in insts for r in pytest_runs(i) if "tests/" in r.args and "multi_gpu" in r.args]
+    assert len(runs) == 1
+    inst, run = runs[0]
+    assert run.args[run.args.index("-m") + 1] == "multi_gpu" and "multi-gpu" in inst.job["runs-on"]
+    assert run.command.prefix.get("NCCL_NVLS_ENABLE") == "0", run.command.argv  # NCCL: multicast off
+
+
 def test_tests_job_runs_all_of_tests_including_gpu_marked(insts):
-    runs = [r for i in insts for r in pytest_runs(i) if "tests/" in r.args]
+    runs = [r for i in insts for r in pytest_runs(i) if "tests/" in r.args and "multi_gpu" not in r.args]
     assert len(runs) == 1
     args = runs[0].args
     # GPU-marked tests run by themselves where CUDA is present; deselecting them here would hide them.
@@ -566,7 +576,9 @@ def test_pytest_options_are_registered_and_paths_exist(insts, workflow):
     options = set()
     for inst in insts:
         for run in pytest_runs(inst):
-            for arg in run.args:
+            for index, arg in enumerate(run.args):
+                if index and run.args[index - 1] in ("-m", "-k"):
+                    continue  # a marker or keyword expression, not a path
                 if arg.startswith("--"):
                     options.add(arg.split("=", 1)[0])
                 elif not arg.startswith(("-", "$")):
