@@ -110,8 +110,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def torchrun_rank() -> int | None:
-    """This process's global rank when launched by torchrun (None for a plain pytest run)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    """This process's global rank when launched by torchrun (None for a plain pytest run).
+
+    Only torchrun's own TORCHELASTIC_RUN_ID counts: other launchers export RANK / WORLD_SIZE too, and a
+    plain pytest under them must not wait for a rendezvous nobody started.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
         return int(os.environ.get("RANK", "0"))
     return None
 
@@ -130,6 +134,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         bench_session.json = None
         bench_session.save = None
         bench_session.autosave = None
+        bench_session.histogram = False
 
 
 @pytest.fixture(scope="session")

@@ -183,3 +183,10 @@ def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="DistributedTrainStep needs an initialized torch.distributed"):
         DistributedTrainStep(variant="naive", size="tiny", context=CONTEXT, batch_size=BATCH, precision="fp32",
                              device="cpu")
+
+
+@pytest.mark.parametrize("variant", ["zero1", "fsdp", "torch-fsdp2", "zero-broadcast", "torch-zero"])
+def test_fp16_is_refused_where_the_inf_check_would_be_per_rank(variant):
+    with pytest.raises(ValueError, match=rf"precision='fp16' .* not supported with variant '{variant}'"):
+        DistributedTrainStep(variant=variant, size="tiny", context=CONTEXT, batch_size=BATCH, precision="fp16",
+                             device="cpu")

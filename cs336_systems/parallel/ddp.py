@@ -162,6 +162,11 @@ class _DDPBase(nn.Module):
         self.record_timing = bool(record_timing)
         # Unique by identity (tied weights appear once), in registration order; frozen ones excluded.
         self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            # Gradient hooks would fire on one autograd thread per device and race on the bucket state,
+            # so ranks could issue their collectives in different orders.
+            raise ValueError(f"{who}: trainable parameters must live on one device, got {sorted(map(str, devices))}")
         names = {id(p): n for n, p in module.named_parameters()}
         self._name_of = {id(p): names[id(p)] for p in self._params}
         self._require_sync = True

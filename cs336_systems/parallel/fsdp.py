@@ -18,6 +18,11 @@ optimizer can be built on them.  The padding stays zero under SGD / Adam / AdamW
 ``FSDP(module)`` modifies ``module`` in place (weights replaced by shards, forwards wrapped); the selected
 modules are expected to be leaves (Linear / Embedding-like: a ``weight`` and perhaps a bias).
 
+Every rank must use the same sharded layers and replicated parameters in a step (true of the LM and of any
+model without data-dependent branches): collectives are issued as gradients appear, so a layer used on one
+rank only would leave the ranks' collective sequences mismatched.  (The DDP wrappers handle that case with
+per-tensor flags; FSDP does not.)
+
 How a sharded layer runs (its ``forward`` is wrapped in place):
 
 1. The full weight is gathered (or an already prefetched gather is waited on) and passed through an identity
@@ -353,6 +358,10 @@ class FSDP(nn.Module):
         self.num_gathers += 1
         self.live_gathered += 1
         self.max_live_gathered = max(self.max_live_gathered, self.live_gathered)
+        # Weak references for gathered_storages_alive(); expired ones are dropped as new ones come, so the
+        # list stays as long as the gathers actually alive (each ref pins a small C++ object).
+        if len(self._gather_storages) >= 64:
+            self._gather_storages = [ref for ref in self._gather_storages if not ref.expired()]
         self._gather_storages.append(StorageWeakRef(sw.gathered.untyped_storage()))
 
     def _wait_gather(self, sw: _ShardedWeight) -> torch.Tensor:

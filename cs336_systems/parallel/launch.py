@@ -105,10 +105,15 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s
         )
         try:
             value = fn(rank, world_size, *args)
-        finally:
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            # Report before tearing down: destroying a group with unmatched collectives in flight (the
+            # usual way a rank fails) can block, and the parent must learn the root cause regardless.
+            results.put((rank, False, traceback.format_exc()))
             dist.destroy_process_group()
+            return
+        dist.destroy_process_group()
         results.put((rank, True, _to_bytes(value)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:  # noqa: BLE001 - init or teardown failed
         results.put((rank, False, traceback.format_exc()))
 
 

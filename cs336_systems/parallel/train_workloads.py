@@ -72,6 +72,11 @@ class DistributedTrainStep:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} applies only to 'bucketed' and 'zero-broadcast', "
                              f"not variant {variant!r}")
         amp.check_precision(precision)
+        if precision == "fp16" and variant in ("zero1", "fsdp", "torch-fsdp2", "zero-broadcast", "torch-zero"):
+            # GradScaler decides to skip a step from this rank's (sharded or un-averaged) gradients alone:
+            # ranks would skip different steps and drift apart, or issue different collectives and hang.
+            raise ValueError(f"precision='fp16' (GradScaler) is not supported with variant {variant!r}: the "
+                             "inf check is per rank; use bf16")
         require_process_group("DistributedTrainStep")
         self.variant, self.precision = variant, precision
         self.device = device = torch.device(device)
