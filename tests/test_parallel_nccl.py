@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cs336_systems.model import build
+from cs336_systems.parallel import DDPBucketed, DDPIndividualParameters, ShardedOptimizer
 from cs336_systems.parallel.launch import spawn
 from cs336_systems.parallel.train_workloads import VARIANTS, DistributedTrainStep
 
@@ -69,6 +70,54 @@ def _job(rank: int, world_size: int) -> dict:
         del step
         torch.cuda.synchronize(device)
     return out
+
+
+def _unsynchronized_job(rank: int, world_size: int) -> dict:
+    """The hook-based paths without record_timing (no device syncs in finish to hide a missing stream
+    dependency) and with many small buckets (launch-order waits, zero1's polling)."""
+    device = torch.device("cuda", rank)
+    generator = torch.Generator(device).manual_seed(SEED + 1 + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, CONTEXT), device=device, generator=generator)
+    targets = torch.randint(0, VOCAB, (BATCH, CONTEXT), device=device, generator=generator)
+    all_tokens = [torch.empty_like(tokens) for _ in range(world_size)]
+    all_targets = [torch.empty_like(targets) for _ in range(world_size)]
+    dist.all_gather(all_tokens, tokens)
+    dist.all_gather(all_targets, targets)
+    reference = _reference(device, list(zip(all_tokens, all_targets)))
+    out = {}
+    for name in ("bucketed-0.05", "individual", "zero1-0.05"):
+        torch.manual_seed(SEED)
+        with device:
+            model = build("tiny", context_length=CONTEXT, vocab_size=VOCAB)
+        if name == "zero1-0.05":
+            wrapped = model
+            opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mode="zero1", bucket_size_mb=0.05,
+                                   overlap=True, lr=LR, fused=True)
+        else:
+            wrapped = DDPBucketed(model, 0.05) if name == "bucketed-0.05" else DDPIndividualParameters(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(wrapped(tokens).flatten(0, 1), targets.flatten()).backward()
+            if wrapped is not model:
+                wrapped.finish_gradient_synchronization()
+            opt.step()
+        flat = torch.cat([p.detach().float().flatten() for _, p in sorted(model.named_parameters())])
+        out[name] = (flat - reference).abs().max().item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def unsynchronized() -> list[dict]:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    return spawn(_unsynchronized_job, 2, backend="nccl", timeout_s=300)
+
+
+@pytest.mark.parametrize("name", ["bucketed-0.05", "individual", "zero1-0.05"])
+def test_hooked_paths_without_timing_syncs_match_single_process(unsynchronized, name):
+    for rank_result in unsynchronized:
+        assert rank_result[name] < LR / 20, f"{name}: differs from single-process AdamW by {rank_result[name]}"
 
 
 @pytest.fixture(scope="module")
