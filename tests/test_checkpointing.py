@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from cs336_systems.parallel.ddp import DDPIndividualParameters
 from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.launch import spawn
 from cs336_systems.parallel.zero import ShardedOptimizer
+from fsdp_helpers import gathered_alive
 
 VOCAB, SEQ, BATCH = 53, 16, 2
 
@@ -291,15 +291,6 @@ DIST_POLICIES = ("none", "every-1", "every-3", "sqrt")  # on 4 blocks: 4, 2 ([0,
 STEPS, DEPTH = 2, 2
 
 
-def _alive(fsdp: FSDP) -> int:
-    """Gathered buffers still allocated; gloo's worker thread may drop its reference just after wait()."""
-    for _ in range(100):
-        if fsdp.gathered_storages_alive() == 0:
-            return 0
-        time.sleep(0.01)
-    return fsdp.gathered_storages_alive()
-
-
 def _train(rank: int, world: int, setup: str, policy: str) -> dict:
     """Two AdamW steps of the 4-block tiny LM, each rank on its own batch; final full parameters + counters."""
     model = _model(policy)
@@ -329,7 +320,7 @@ def _train(rank: int, world: int, setup: str, policy: str) -> dict:
     if setup.startswith("fsdp"):
         out.update(num_gathers=wrapped.num_gathers, num_reduce_scatters=wrapped.num_reduce_scatters,
                    num_all_reduces=wrapped.num_all_reduces, max_live_gathered=wrapped.max_live_gathered,
-                   alive=_alive(wrapped), live_gathered=wrapped.live_gathered)
+                   alive=gathered_alive(wrapped), live_gathered=wrapped.live_gathered)
         params = wrapped.gather_full_params()
     else:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

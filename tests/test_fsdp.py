@@ -9,7 +9,6 @@ floating inputs cast to compute_dtype, master weights fp32) via torch.func.funct
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 
 import pytest
@@ -21,6 +20,7 @@ from torch import nn
 from cs336_systems import model as lm
 from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.launch import spawn
+from fsdp_helpers import gathered_alive
 
 VOCAB, D_TOY, SEQ, PER_RANK_BATCH = 37, 13, 5, 3  # 37*13 = 481: padding on 2 and 3 ranks
 
@@ -88,15 +88,6 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-8)).item()
 
 
-def _alive(fsdp: FSDP) -> int:
-    """Gathered buffers still allocated; gloo's worker thread may drop its reference just after wait()."""
-    for _ in range(100):
-        if fsdp.gathered_storages_alive() == 0:
-            return 0
-        time.sleep(0.01)
-    return fsdp.gathered_storages_alive()
-
-
 class _Reference:
     """Single-process training on the whole global batch, Linear/Embedding computing in ``dtype``."""
 
@@ -152,13 +143,13 @@ def _run_case(rank: int, world: int, model: str, optim: str, dtype: torch.dtype 
             fsdp.reset_counters()
         opt.zero_grad()
         logits = fsdp(tokens[mine])
-        out["alive_after_forward"] = max(out["alive_after_forward"], _alive(fsdp))
+        out["alive_after_forward"] = max(out["alive_after_forward"], gathered_alive(fsdp))
         assert logits.dtype == (dtype or torch.float32)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets[mine].flatten())
         loss.backward()
         fsdp.finish_gradient_synchronization()
         del logits
-        out["alive_after_backward"] = max(out["alive_after_backward"], _alive(fsdp))
+        out["alive_after_backward"] = max(out["alive_after_backward"], gathered_alive(fsdp))
 
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
@@ -197,7 +188,7 @@ def _run_case(rank: int, world: int, model: str, optim: str, dtype: torch.dtype 
     tokens = torch.randint(VOCAB, (2, SEQ), generator=gen)
     with torch.no_grad():
         out["eval_err"] = _rel_err(fsdp(tokens).float(), ref.forward(tokens).float())
-    out["alive_after_eval"] = _alive(fsdp)
+    out["alive_after_eval"] = gathered_alive(fsdp)
     out["live_after_eval"] = fsdp.live_gathered
     return out
 
