@@ -146,3 +146,18 @@ def test_gpu_memory_grows_linearly_in_n():
     assert all(peaks[n] <= 8 * q_bytes[n] for n in peaks), (peaks, q_bytes)
     # 4x the length: linear growth is ~4x (allow the allocator's slack), quadratic would be ~16x
     assert peaks[16384] <= 5.5 * peaks[4096], peaks
+
+
+def test_registered_ops_match_the_eager_fast_path():
+    """Eager calls launch the kernels directly; torch.compile goes through the registered ops: same results."""
+    q, k, v = (t.detach().reshape(2, -1, 32) for t in random_qkv((2,), 70, 70, 32, torch.float32, DEVICE, seed=5))
+    o, lse = torch.ops.cs336.flash_attn_fwd(q, k, v, True)
+    o_fast, lse_fast = flash_triton._forward(q, k, v, True)
+    torch.testing.assert_close(o, o_fast, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_fast, rtol=0, atol=0)
+    do = torch.randn_like(o)
+    for a, b in zip(torch.ops.cs336.flash_attn_bwd(q, k, v, o, lse, do, True),
+                    flash_triton._backward(q, k, v, o, lse, do, True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert flash_triton._eager(q)
+    assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path

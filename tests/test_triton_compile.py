@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from cs336_systems.attention import triton_kernels as kernels
 
 causal = sys.argv[1] == "causal"
-consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32",
+consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
           "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634}
 strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
 bf16 = "*bf16"

@@ -10,7 +10,10 @@ dQ kernel (Q, dO resident, loop over key tiles): every output tile has exactly o
 
 The kernels are registered as `torch.library.triton_op`s (cs336::flash_attn_fwd / _bwd) and launched
 through `wrap_triton`, so `torch.compile(FlashAttentionTriton.apply, fullgraph=True)` traces them as
-opaque ops without graph breaks.
+opaque ops without graph breaks.  An eager call on plain tensors (nothing tracing) launches the same
+kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most of the call.
+Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
+table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
 On a CPU tensor the kernels only run under Triton's interpreter (TRITON_INTERPRET=1 set before this
 module is imported); otherwise a ValueError says so.  float32 inputs use IEEE fp32 dots (not TF32) so
@@ -19,21 +22,15 @@ fp32 results stay at fp32 accuracy.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
-import triton
 from torch.library import triton_op, wrap_triton
 
-from cs336_systems.attention import triton_kernels as kernels
+from cs336_systems.attention import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
+from cs336_systems.attention.flash_autotune import interpreter_active, select
+from cs336_systems.attention.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-
-
-def interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -41,39 +38,33 @@ def available(device: torch.device) -> bool:
     return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and interpreter_active())
 
 
-def _config(d: int, dtype: torch.dtype, kind: str) -> dict:
-    """Tile sizes and launch settings per kernel (tuned later by the speed issue)."""
-    if interpreter_active():
-        # The interpreter runs each program as numpy ops: bigger tiles mean fewer Python iterations.
-        return dict(BLOCK_M=32, BLOCK_N=32)
-    if kind == "fwd":
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d >= 128 else 4, num_stages=3 if d <= 64 else 2)
-    # backward: dK/dV tiles over keys (BLOCK_N), dQ tiles over queries (BLOCK_M)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if d <= 64 else 8, num_stages=2)
+def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = False):
+    bh, n_queries, d = q.shape
+    return select(bh, n_queries, k.shape[1], d, q.dtype, is_causal, q.device, may_tune=may_tune)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False):
+    cfg = _select(q, k, is_causal, may_tune)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
+    launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap)
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct):
+    cfg = _select(q, k, is_causal)
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch.preprocess(o, do, delta, wrap)
+    launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
+    launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap)
+    return dq, dk, dv
 
 
 @triton_op("cs336::flash_attn_fwd", mutates_args={})
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (BH, Nq, d), k, v: (BH, Nk, d), unit stride on d -> (o (BH, Nq, d), L (BH, Nq) float32)."""
-    bh, n_queries, d = q.shape
-    n_keys = k.shape[1]
-    o = torch.empty_like(q)
-    lse = torch.empty((bh, n_queries), device=q.device, dtype=torch.float32)
-    cfg = _config(d, q.dtype, "fwd")
-    block_m = cfg.pop("BLOCK_M")
-    block_n = cfg.pop("BLOCK_N")
-    grid = (triton.cdiv(n_queries, block_m), bh)
-    wrap_triton(kernels.flash_fwd_kernel)[grid](
-        q, k, v, o, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        n_queries, n_keys, qk_scale=(1.0 / math.sqrt(d)) * 1.4426950408889634,
-        CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), **cfg,
-    )
-    return o, lse
+    return _forward(q, k, v, is_causal, wrap_triton)
 
 
 @triton_op("cs336::flash_attn_bwd", mutates_args={})
@@ -82,35 +73,17 @@ def flash_attn_bwd(
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attn_fwd; all tensors (BH, N, d) with unit stride on d, lse (BH, Nq)."""
-    bh, n_queries, d = q.shape
-    n_keys = k.shape[1]
-    delta = torch.empty((bh, n_queries), device=q.device, dtype=torch.float32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cfg = _config(d, q.dtype, "bwd")
-    block_m = cfg.pop("BLOCK_M")
-    block_n = cfg.pop("BLOCK_N")
-    sm_scale = 1.0 / math.sqrt(d)
-    qk_scale = sm_scale * 1.4426950408889634
-    precision = _precision(q.dtype)
-    wrap_triton(kernels.flash_bwd_preprocess_kernel)[(triton.cdiv(n_queries, block_m), bh)](
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), n_queries,
-        HEAD_DIM=d, BLOCK_M=block_m,
-    )
-    wrap_triton(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, block_n), bh)](
-        q, k, v, do, lse, delta, dk, dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        n_queries, n_keys, sm_scale=sm_scale, qk_scale=qk_scale,
-        CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, **cfg,
-    )
-    wrap_triton(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, block_m), bh)](
-        q, k, v, do, lse, delta, dq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1),
-        n_queries, n_keys, sm_scale=sm_scale, qk_scale=qk_scale,
-        CAUSAL=is_causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, **cfg,
-    )
-    return dq, dk, dv
+    return _backward(q, k, v, o, lse, do, is_causal, wrap_triton)
+
+
+def _eager(t: torch.Tensor) -> bool:
+    """True when nothing traces this call: a plain tensor, no dynamo, no dispatch mode (make_fx, fake).
+
+    Then the kernels are launched directly, skipping the custom-op dispatch (tens of microseconds per
+    call, which is most of the time of a small attention call); otherwise the registered ops run, so
+    torch.compile and AOTAutograd see opaque, traceable ops.
+    """
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -139,7 +112,11 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
         _validate(q, k, v)
-        o, lse = torch.ops.cs336.flash_attn_fwd(_as_3d(q), _as_3d(k), _as_3d(v), bool(is_causal))
+        q3, k3, v3 = _as_3d(q), _as_3d(k), _as_3d(v)
+        if _eager(q):
+            o, lse = _forward(q3, k3, v3, bool(is_causal), may_tune=True)
+        else:
+            o, lse = torch.ops.cs336.flash_attn_fwd(q3, k3, v3, bool(is_causal))
         o = o.view(q.shape)
         lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
@@ -149,10 +126,12 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.cs336.flash_attn_bwd(
-            _as_3d(q), _as_3d(k), _as_3d(v), _as_3d(o), lse.reshape(-1, q.shape[-2]), _as_3d(grad_out),
-            ctx.is_causal,
-        )
+        args = (_as_3d(q), _as_3d(k), _as_3d(v), _as_3d(o), lse.reshape(-1, q.shape[-2]), _as_3d(grad_out),
+                ctx.is_causal)
+        if _eager(grad_out):
+            dq, dk, dv = _backward(*args)
+        else:
+            dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None
 
 

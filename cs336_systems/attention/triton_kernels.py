@@ -34,15 +34,19 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
         else:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
-        # (BLOCK_M, BLOCK_N) in base-2 units; the cast keeps fp32 when a caller passes the scale as fp64
-        s = (tl.dot(q, k, input_precision=PRECISION) * qk_scale).to(tl.float32)
+        qk = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
-            s = tl.where(visible, s, MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(visible, qk * qk_scale, MASKED)  # base-2 units
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            # The scale is positive, so the row max can be taken before scaling; the scale and the
+            # subtraction then fuse into one FMA per score (the softmax ALU work rivals the matmul at d <= 64).
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
@@ -61,10 +65,18 @@ def flash_fwd_kernel(
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
     n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
-    """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise.
+
+    Causal: program 0 takes the *last* query tile, the one with the most keys to visit, so the heavy
+    tiles start first and the light ones fill the tail of the launch (longest-first scheduling;
+    LONGEST_FIRST=False keeps the natural order, for measuring the difference).
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL and LONGEST_FIRST:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -123,16 +135,15 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
             rows = offs_m < n_queries
             qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], mask=rows[None, :], other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
-            lse = tl.load(l_base + offs_m, mask=rows, other=0.0)
+            lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
             delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
         else:
             qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None])  # (d, BLOCK_M)
             do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :])  # (BLOCK_M, d)
-            lse = tl.load(l_base + offs_m)
+            lse = tl.load(l_base + offs_m) * 1.4426950408889634
             delta = tl.load(d_base + offs_m)
-        # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M); lse is in natural-log units -> base 2
-        sT = (tl.dot(k, qT, input_precision=PRECISION) * qk_scale).to(tl.float32)
-        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
+        # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASK:
             visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
             if CAUSAL:
@@ -154,7 +165,10 @@ def flash_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics."""
+    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics.
+
+    Causal: key tile 0 is seen by every query, so program order is already longest-first.
+    """
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -214,8 +228,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, st
         else:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
-        s = (tl.dot(q, kT, input_precision=PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
@@ -234,10 +247,16 @@ def flash_bwd_dq_kernel(
     stride_dqb, stride_dqn,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
-    """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
+
+    Causal: longest-first like the forward (program 0 takes the last query tile).
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL and LONGEST_FIRST:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)

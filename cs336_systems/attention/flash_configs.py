@@ -1,0 +1,217 @@
+"""Tile configurations of the FlashAttention-2 Triton kernels, and how one is chosen for a call.
+
+Three kernels take a configuration each (the backward preprocess uses the dQ kernel's query tile):
+
+    "fwd"   forward:  BLOCK_M queries resident, loop over BLOCK_N keys
+    "dkdv"  dK/dV:    BLOCK_N keys resident,    loop over BLOCK_M queries
+    "dq"    dQ:       BLOCK_M queries resident, loop over BLOCK_N keys
+
+The best configuration depends on the head dimension (register and shared-memory pressure), the
+element size (fp32 tiles take twice the shared memory and use IEEE FMA dots, not tensor cores),
+causality (how much of the work is the masked diagonal band), the sequence length and the number of
+(batch x head) slices: with B*H = 1 a forward at N = 4096 has only 32 query tiles of 128 for 132 SMs, so
+smaller tiles (more programs) win there, while at the leaderboard shape (16 x 128 tiles) per-tile
+efficiency decides.  `ShapeKey` buckets exactly those parameters.
+
+Choice, first match wins (`select`):
+  1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
+  2. `TUNED`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.attention.flash_autotune`
+     and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one;
+  3. `default_config`: a conservative heuristic that fits every NVIDIA GPU from sm_80 on.
+Under the Triton interpreter the tiles are fixed small (32 x 32): the interpreter runs each program as numpy
+ops, and the property tests want many programs, ragged edges and several tiles per row, not speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+KERNELS = ("fwd", "dkdv", "dq")
+N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
+BH_BUCKETS = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16 (tl.dot's minimum); got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages must be >= 1; got {self.num_stages}")
+
+    def launch_kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def short(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> TileConfig:
+        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3)."""
+        try:
+            tiles, rest = text.split("w")
+            warps, stages = rest.split("s")
+            block_m, block_n = tiles.split("x")
+            return cls(int(block_m), int(block_n), int(warps), int(stages))
+        except ValueError as exc:
+            raise ValueError(f"tile config {text!r} is not of the form <BLOCK_M>x<BLOCK_N>w<warps>s<stages>: {exc}") from None
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """fp16 shares bf16's tables: same element size, same tensor-core rate."""
+    if dtype == torch.float32:
+        return "fp32"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "half"
+    raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if value <= bucket:
+            return bucket
+    return buckets[-1]
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What a configuration is tuned for: head dim, dtype class, causal, N bucket, B*H bucket."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    n_bucket: int
+    bh_bucket: int
+
+    @classmethod
+    def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
+        n = max(n_queries, n_keys)
+        return cls(head_dim, dtype_class(dtype), bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
+
+    def text(self) -> str:
+        return f"d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}-n{self.n_bucket}-bh{self.bh_bucket}"
+
+    @classmethod
+    def parse(cls, text: str) -> ShapeKey:
+        try:
+            d, dtype, causal, n, bh = text.split("-")
+            if causal not in ("causal", "full") or dtype not in ("half", "fp32"):
+                raise ValueError("bad causal/dtype field")
+            return cls(int(d[1:]), dtype, causal == "causal", int(n[1:]), int(bh[2:]))
+        except ValueError as exc:
+            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32>-<causal|full>-n<N>-bh<BH>: {exc}") from None
+
+
+INTERPRETER = {kernel: TileConfig(32, 32, 4, 1) for kernel in KERNELS}
+
+
+def default_config(key: ShapeKey) -> dict[str, TileConfig]:
+    """A heuristic that fits sm_80+ shared memory for every supported d and dtype (no measurements)."""
+    d = key.head_dim
+    if key.dtype == "fp32":
+        # fp32 tiles take twice the shared memory and IEEE dots run on the FMA units: small tiles.
+        small = TileConfig(64, 32, 4, 2) if d >= 128 else TileConfig(64, 64, 4, 2)
+        return {"fwd": small, "dkdv": TileConfig(32, 64, 4, 2), "dq": TileConfig(64, 32, 4, 2)}
+    fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
+    bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
+    if key.n_bucket * key.bh_bucket <= 4096:
+        # Too few query tiles of 128 to fill the SMs: halve the tile, double the programs.
+        fwd = TileConfig(64, 64, 4, 3 if d <= 64 else 2)
+    return {"fwd": fwd, "dkdv": bwd, "dq": bwd}
+
+
+def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
+    return tuple(TileConfig(*spec) for spec in specs)
+
+
+# Hand-picked search spaces (BLOCK_M, BLOCK_N, warps, stages): the shapes that win somewhere in
+# FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
+# from an empty cache (every candidate compiled once) stays well under a minute.
+SEARCH_SPACE = {
+    ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)),
+    ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
+                               (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
+    ("dq", "half"): _configs((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+                             (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3)),
+    ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
+    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (64, 64, 4, 2)),
+    ("dq", "fp32"): _configs((64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
+}
+
+
+def candidates(kernel: str, key: ShapeKey) -> list[TileConfig]:
+    """The configurations the autotuner tries for `kernel` at `key`: `SEARCH_SPACE`, pruned.
+
+    Pruning: tiles no larger than the (bucketed) sequence needs, and an estimate of the pipelined shared
+    memory (the resident tiles plus `num_stages` copies of the streamed ones) under 200 KiB, so the
+    228 KiB of an H100 SM leaves room for Triton's layout-conversion scratch.  Anything that still fails
+    to compile or launch is skipped by the tuner.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    element = 4 if key.dtype == "fp32" else 2
+    limit = max(key.n_bucket, 64)
+    out = []
+    for cfg in SEARCH_SPACE[(kernel, key.dtype)]:
+        if max(cfg.block_m, cfg.block_n) > limit:
+            continue
+        if _shared_bytes(kernel, cfg.block_m, cfg.block_n, key.head_dim, element, cfg.num_stages) > 200 * 1024:
+            continue
+        out.append(cfg)
+    return out
+
+
+def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int, stages: int) -> int:
+    if kernel == "fwd":  # Q resident; K and V streamed
+        return element * d * (block_m + 2 * stages * block_n)
+    if kernel == "dkdv":  # K and V resident; Q and dO streamed
+        return element * d * (2 * block_n + 2 * stages * block_m)
+    return element * d * (2 * block_m + 2 * stages * block_n)  # dq: Q and dO resident; K and V streamed
+
+
+# Measured on an H100 80GB HBM3 (sm_90), torch 2.11, triton 3.6, with
+#   python -m cs336_systems.attention.flash_autotune --sweep h100 --json ...
+# Keys are ShapeKey.text(); values "<kernel>": TileConfig.short().  See results/h100/flash-autotune.json.
+TUNED_SM90: dict[str, dict[str, str]] = {}
+
+
+def _tuned_sm90() -> dict[ShapeKey, dict[str, TileConfig]]:
+    return {ShapeKey.parse(k): {kern: TileConfig.parse(c) for kern, c in v.items()} for k, v in TUNED_SM90.items()}
+
+
+def nearest_tuned(key: ShapeKey, table: dict[ShapeKey, dict[str, TileConfig]]) -> dict[str, TileConfig] | None:
+    """The table entry for the same (d, dtype, causal) closest to `key` in log2(N), then log2(B*H)."""
+    same = [k for k in table if (k.head_dim, k.dtype, k.causal) == (key.head_dim, key.dtype, key.causal)]
+    if not same:
+        return None
+
+    def distance(k: ShapeKey) -> tuple[float, float]:
+        return (abs(math.log2(k.n_bucket / key.n_bucket)), abs(math.log2(k.bh_bucket / key.bh_bucket)))
+
+    return table[min(same, key=distance)]
+
+
+def tuned_for_device(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
+    """The committed measurements for this device's architecture, if any."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return nearest_tuned(key, _tuned_sm90())
+
+
+def as_dict(configs: dict[str, TileConfig]) -> dict[str, dict]:
+    return {kernel: asdict(cfg) for kernel, cfg in configs.items()}
