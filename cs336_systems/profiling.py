@@ -444,10 +444,13 @@ def _kineto_events(prof: torch.profiler.profile) -> list[SimpleNamespace] | None
     out = []
     for e in results.events():
         start_us, end_us = e.start_ns() / 1e3, e.end_ns() / 1e3
+        # activity_type() exists from torch 2.12 on (2.11 on the H100 runner lacks it); is_user_annotation()
+        # alone identifies the NVTX/record_function ranges there.
+        activity = e.activity_type() if hasattr(e, "activity_type") else ""
         out.append(SimpleNamespace(
             name=e.name(), device_type=e.device_type(), id=e.correlation_id(),
             linked_correlation_id=e.linked_correlation_id(), is_async=e.is_async(),
-            is_user_annotation=e.is_user_annotation(), activity_type=str(e.activity_type()),
+            is_user_annotation=e.is_user_annotation(), activity_type=str(activity),
             time_range=SimpleNamespace(start=start_us, end=end_us), self_cpu_time_total=end_us - start_us,
         ))
     return out
