@@ -185,9 +185,31 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 
 
 # Measured on an H100 80GB HBM3 (sm_90), torch 2.11, triton 3.6, with
-#   python -m cs336_systems.attention.flash_autotune --sweep h100 --json ...
-# Keys are ShapeKey.text(); values "<kernel>": TileConfig.short().  See results/h100/flash-autotune.json.
-TUNED_SM90: dict[str, dict[str, str]] = {}
+#   python -m cs336_systems.attention.flash_autotune --dtype bf16 --shape 16,16384,64 ... --json ...
+# (results/h100/probes/run-issue7-tune.sh; every candidate's time in results/h100/flash-autotune-bf16.json).
+# Keys are ShapeKey.text(); values TileConfig.short().  fp32 has only the two shapes tuned so far.
+TUNED_SM90: dict[str, dict[str, str]] = {
+    "d16-fp32-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d32-fp32-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x128w4s4", "dq": "64x64w4s3"},
+    "d32-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n1024-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s2", "dq": "128x64w8s3"},
+    "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n65536-bh1": {"fwd": "128x64w4s3", "dkdv": "32x128w4s4", "dq": "64x64w4s3"},
+    "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
+    "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x128w8s2"},
+    "d128-half-causal-n65536-bh1": {"fwd": "64x64w4s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
+}
 
 
 def _tuned_sm90() -> dict[ShapeKey, dict[str, TileConfig]]:

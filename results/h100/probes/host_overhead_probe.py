@@ -22,8 +22,8 @@ def main(out):
     results = []
     fast_path = flash_triton._eager
     for n, d in [(1024, 64), (4096, 64), (1024, 128), (4096, 128)]:
-        q, k, v = (torch.randn(1, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, n, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16)
 
         def triton_fn():
             return flash_triton.FlashAttentionTriton.apply(q, k, v, True)
