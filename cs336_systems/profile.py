@@ -309,13 +309,39 @@ def _timing(result: CaseResult) -> dict:
     """Profiled time per step (span and busy) vs the harness median, and their ratio."""
     step = result.step
     median = result.harness.get("median_ms") if result.harness else None
+    ratio = step.span_ms / median if median else None
+    busy_share = step.per_occurrence_ms / step.span_ms if step.span_ms else None
     return {
         "mode": result.case.mode,
         "profiled_span_ms": step.span_ms,
         "profiled_busy_ms": step.per_occurrence_ms,
         "harness_median_ms": median,
-        "ratio": step.span_ms / median if median else None,
+        "ratio": ratio,
+        "gpu_busy_share": busy_share,
+        "verdict": _verdict(ratio, busy_share),
     }
+
+
+AGREEMENT = 0.05  # "agree within a few percent"
+HOST_BOUND_BUSY_SHARE = 0.8
+
+
+def _verdict(ratio: float | None, busy_share: float | None) -> str:
+    """Why the profiled step and the harness agree or not.
+
+    The profiler costs CPU time per recorded op.  When the GPU waits for the host (kernels busy for a
+    small share of the step), that cost lands on the critical path and the profiled span exceeds the
+    harness's time; when the GPU is the bottleneck the host runs ahead and the two agree.
+    """
+    if ratio is None:
+        return "no harness timing"
+    if abs(ratio - 1.0) <= AGREEMENT:
+        return f"agree within {AGREEMENT:.0%}"
+    if busy_share is not None and busy_share < HOST_BOUND_BUSY_SHARE:
+        return (f"differ: host-bound step (kernels busy {busy_share:.0%} of the span), so the profiler's per-op "
+                "CPU cost inflates the profiled span; compare a GPU-bound case (larger batch or context) or use "
+                "--profiler nvtx under nsys")
+    return "differ although the GPU is busy: check clocks and contention"
 
 
 def _dominant(r: RangeSummary) -> dict | None:
@@ -392,7 +418,7 @@ def _answer_lines(a: dict) -> list[str]:
             lines.append(
                 f"- {label}, {t['mode']}: profiled {_fmt_ms(t['profiled_span_ms'])} per step (span; busy "
                 f"{_fmt_ms(t['profiled_busy_ms'])}) vs harness median {_fmt_ms(t['harness_median_ms'])}: "
-                f"ratio {ratio}"
+                f"ratio {ratio} ({t.get('verdict', 'n/a')})"
             )
     dominant = (("dominant_forward", "Dominant kernel per forward"), ("dominant_step", "Dominant kernel per step"))
     for key, label in dominant:

@@ -249,6 +249,8 @@ def test_cli_answers(cli_run):
         assert t["mode"] == mode and t["harness_median_ms"] == result.harness["median_ms"] > 0
         assert t["profiled_span_ms"] == result.summary.ranges["step"].span_ms > 0
         assert t["ratio"] == pytest.approx(t["profiled_span_ms"] / t["harness_median_ms"])
+        assert t["gpu_busy_share"] == pytest.approx(t["profiled_busy_ms"] / t["profiled_span_ms"])
+        assert t["verdict"] == prof_cli._verdict(t["ratio"], t["gpu_busy_share"])
     fwd_range = report.cases["forward"].summary.ranges["forward"]
     assert a["dominant_forward"]["name"] == fwd_range.kernels[0].name
     assert a["dominant_forward"]["calls_per_occurrence"] == fwd_range.kernels[0].calls / STEPS
@@ -350,3 +352,12 @@ def test_raw_kineto_events_carry_the_fields_the_cuda_path_reads():
     assert ops and all(e.linked_correlation_id == 0 and not e.is_user_annotation for e in ops)
     # ops nest inside the range on the same (microsecond) clock
     assert forward[0].time_range.start <= ops[0].time_range.start <= ops[0].time_range.end <= forward[0].time_range.end
+
+
+def test_timing_verdicts():
+    assert prof_cli._verdict(None, 0.5) == "no harness timing"
+    assert prof_cli._verdict(1.04, 0.3) == "agree within 5%"
+    assert prof_cli._verdict(0.96, 0.99) == "agree within 5%"
+    host = prof_cli._verdict(1.237, 49.652 / 129.233)  # the xl forward on the H100
+    assert host.startswith("differ: host-bound step (kernels busy 38% of the span)")
+    assert prof_cli._verdict(1.3, 0.95).startswith("differ although the GPU is busy")

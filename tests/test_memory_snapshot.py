@@ -205,6 +205,11 @@ def test_replay_of_a_truncated_trace_or_without_free_requested(before, after, cu
     """A ring buffer that overflowed keeps only the newest events; some traces skip free_requested."""
     fake = run_program(before, after)
     cut = min(cut, len(fake.trace))
+    if cut < len(fake.trace) and fake.trace[cut]["action"] == "free_completed":
+        # A cut between a free's request and its completion is undecidable from the kept events alone
+        # (a lone free_completed reads the same as in a trace that never records free_requested), so
+        # the ring buffer is taken to end on event pairs, as it does for back-to-back frees.
+        cut += 1
     snapshot = fake.snapshot()
     snapshot["device_traces"][0] = fake.trace[cut:]
     if completed_only:
