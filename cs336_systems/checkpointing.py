@@ -14,6 +14,14 @@ forward + backward, whatever the segmentation).  Activation memory, in units of 
     sqrt        "sqrt"      ceil(N/m) segments, m = ceil(sqrt(N)),   ~sqrt(N)*b        ~sqrt(N)*(b + A)
                             lengths differing by at most one (longest first)
 
+    nested      "nested"    the sqrt segments, and inside each       ~sqrt(N)*b        ~2 sqrt(N)*b + A
+                            segment every block checkpointed again
+
+"nested" is two-level checkpointing: the forward keeps only the outer boundaries, as "sqrt"; the backward
+recomputes one outer segment keeping only its block inputs (inner checkpoints), then recomputes each block
+once more just before its own backward, so at most one block's saved tensors ``A`` are alive at a time.
+Cost: two extra forwards of every block instead of one (non-reentrant checkpoints nest).
+
 "every-1" is per-block checkpointing (the usual "full activation checkpointing"); "every-N" (or more) is one
 segment: only the stack's input is kept and the whole stack is recomputed.  "sqrt" is Chen et al. 2016,
 "Training Deep Nets with Sublinear Memory Cost": with both kept boundaries and the recomputed segment counted
@@ -40,20 +48,20 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["CheckpointPolicy", "POLICY_FORMS", "run_blocks"]
 
-POLICY_FORMS = ("none", "every-<k>", "sqrt")
+POLICY_FORMS = ("none", "every-<k>", "sqrt", "nested")
 _EVERY = re.compile(r"every-([1-9][0-9]*)")
 
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """kind: "none" | "every" | "sqrt"; k: the segment length for "every" (a positive int), else None."""
+    """kind: "none" | "every" | "sqrt" | "nested"; k: the segment length for "every" (a positive int), else None."""
 
     kind: str = "none"
     k: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "every", "sqrt"):
-            raise ValueError(f"checkpoint policy kind must be 'none', 'every' or 'sqrt', got {self.kind!r}")
+        if self.kind not in ("none", "every", "sqrt", "nested"):
+            raise ValueError(f"checkpoint policy kind must be 'none', 'every', 'sqrt' or 'nested', got {self.kind!r}")
         if self.kind == "every":
             if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k <= 0:
                 raise ValueError(f"checkpoint policy 'every' needs a positive integer k, got k={self.k!r}")
@@ -62,13 +70,13 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, spec: "str | CheckpointPolicy") -> "CheckpointPolicy":
-        """"none" | "every-<k>" (k a positive integer, no sign or leading zeros) | "sqrt", or a policy."""
+        """"none" | "every-<k>" (k a positive integer, no sign or leading zeros) | "sqrt" | "nested", or a policy."""
         if isinstance(spec, CheckpointPolicy):
             return spec
         if not isinstance(spec, str):
             raise TypeError(f"checkpoint must be a string ({', '.join(POLICY_FORMS)}) or a CheckpointPolicy, "
                             f"got {type(spec).__name__} {spec!r}")
-        if spec in ("none", "sqrt"):
+        if spec in ("none", "sqrt", "nested"):
             return cls(spec)
         match = _EVERY.fullmatch(spec)
         if match is None:
@@ -83,6 +91,7 @@ class CheckpointPolicy:
         """The checkpointed segments of ``n_blocks`` blocks as ranges of block indices, in order.
 
         They partition range(n_blocks) into consecutive runs; "none" checkpoints nothing and returns ().
+        "nested" returns its outer segments (the same as "sqrt"); each of their blocks is checkpointed again.
         """
         if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or n_blocks < 0:
             raise ValueError(f"n_blocks must be a non-negative integer, got {n_blocks!r}")
@@ -105,6 +114,14 @@ def _run_segment(blocks: tuple[nn.Module, ...], x: torch.Tensor, *args: Any) -> 
     return x
 
 
+def _run_segment_per_block(blocks: tuple[nn.Module, ...], x: torch.Tensor, preserve_rng_state: bool,
+                           *args: Any) -> torch.Tensor:
+    """The inner level of "nested": every block of the segment under its own checkpoint."""
+    for block in blocks:
+        x = checkpoint(block, x, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    return x
+
+
 def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, *args: Any,
                policy: "CheckpointPolicy | str" = "none", preserve_rng_state: bool = False) -> torch.Tensor:
     """x -> blocks[-1](... blocks[0](x, *args) ..., *args), checkpointed by ``policy`` (see module docstring).
@@ -118,6 +135,10 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, *args: Any,
     if policy.kind == "none" or not torch.is_grad_enabled():
         return _run_segment(blocks, x, *args)
     for seg in policy.segments(len(blocks)):
-        x = checkpoint(_run_segment, blocks[seg.start: seg.stop], x, *args,
-                       use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        if policy.kind == "nested":
+            x = checkpoint(_run_segment_per_block, blocks[seg.start: seg.stop], x, preserve_rng_state, *args,
+                           use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        else:
+            x = checkpoint(_run_segment, blocks[seg.start: seg.stop], x, *args,
+                           use_reentrant=False, preserve_rng_state=preserve_rng_state)
     return x

@@ -1,7 +1,7 @@
 """End-to-end LM benchmarks (cases from benchmarks.json).
 
 end_to_end    size x context x batch x mode x precision x eager/compiled
-checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt): time and peak memory
+checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt, nested): time and peak memory
 warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
               steps include allocator growth, cuBLAS/cuDNN heuristics and (compiled) compilation: a
               higher mean and a much larger std.  Each case builds a fresh model and resets dynamo, but

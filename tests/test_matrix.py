@@ -282,7 +282,7 @@ def test_malformed_distributed_grids_name_the_problem(data, mutate, match):
 
 def test_checkpointing_suite_sweeps_the_policies_on_xl(data):
     cases = matrix.parse(data).cases("checkpointing", "gpu")
-    assert {c["checkpoint"] for c in cases} == {"none", "every-1", "every-2", "every-4", "sqrt"}
+    assert {c["checkpoint"] for c in cases} == {"none", "every-1", "every-2", "every-4", "sqrt", "nested"}
     assert {(c["size"], c["context"], c["batch_size"], c["precision"], c["mode"]) for c in cases} == {
         ("xl", 512, 4, "bf16", "train-step")}
 
