@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems import model as lm_model
 from cs336_systems.parallel import ddp
@@ -481,3 +483,208 @@ def test_requires_process_group(make):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"DDP\w* needs an initialized torch.distributed process group"):
         make(Toy())
+
+
+# ---------------------------------------------------------------------------------------------------
+# copy-out: O(1) kernels per finish, bitwise the old per-parameter average, gradient storage contract
+# ---------------------------------------------------------------------------------------------------
+
+N_SMALL = 40  # Linear(4, 4) layers: 80 tensors of 64 and 16 bytes
+# Reverse registration order: layers 39..20, partial, layers 19..0, dead (80 bytes per layer).  A 1000-byte
+# cap gives 4 buckets: [39..28], [27..20 + partial + 19..17], [16..5], [4..0 + dead]: two complete ones,
+# one holding a tensor used on rank 0 only, one holding a tensor no rank uses.
+MANY_CAP_MB = 1000 / 2**20
+MANY_WRAPPERS = {**{name: WRAPPERS[name] for name in ("naive", "flat", "individual")},
+                 "bucketed": lambda m: ddp.DDPBucketed(m, MANY_CAP_MB)}
+
+
+class ManySmall(nn.Module):
+    """Many small tensors; ``partial`` is used only when asked (rank 0 here), ``dead`` never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = nn.Linear(4, 4)
+        self.first = nn.ModuleList(nn.Linear(4, 4) for _ in range(N_SMALL // 2))
+        self.partial = nn.Linear(4, 4)
+        self.second = nn.ModuleList(nn.Linear(4, 4) for _ in range(N_SMALL // 2))
+
+    def forward(self, x: torch.Tensor, use_partial: bool) -> torch.Tensor:
+        """x (b, 4) -> (b, 4)."""
+        for layer in self.first:
+            x = torch.tanh(layer(x))
+        if use_partial:
+            x = x + self.partial(x)
+        for layer in self.second:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _many_backward(net: nn.Module, rank: int, step: int) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+    net(x, use_partial=rank == 0).square().mean().backward()
+
+
+class _OpLog(TorchDispatchMode):
+    """Names of the non-view aten ops dispatched while active (one entry per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and not func.is_view:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _old_average(params: list[nn.Parameter], world_size: int) -> list[torch.Tensor | None]:
+    """The former copy-out's result from the local grads: sum over ranks, then torch.div per tensor."""
+    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]
+                     + [torch.tensor([float(p.grad is not None) for p in params])])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    total = functools.reduce(torch.add, gathered)  # = gloo's sum bitwise for 2 ranks (a + b = b + a)
+    out, offset = [], 0
+    for i, p in enumerate(params):
+        piece = total[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        out.append(torch.div(piece, world_size) if total[-len(params) + i] > 0 else None)
+    return out
+
+
+def _mismatches(step: int, net: nn.Module, want: list[torch.Tensor | None]) -> list[tuple[int, str]]:
+    """(step, name) of every gradient that is not exactly ``want`` (None-ness, dtype, shape, values)."""
+    def differs(g: torch.Tensor | None, w: torch.Tensor | None) -> bool:
+        if g is None or w is None:
+            return (g is None) != (w is None)
+        return g.dtype != w.dtype or g.shape != w.shape or not torch.equal(g, w)
+
+    return [(step, n) for (n, p), w in zip(net.named_parameters(), want) if differs(p.grad, w)]
+
+
+def _copy_out_job(rank: int, world_size: int) -> dict:
+    """Per wrapper: ops in finish, grads vs the old formula (step 0, and a no_sync-accumulated step 1
+    into the views left by step 0 after zero_grad(set_to_none=False)), the grad None/view contract."""
+    results = {}
+    for kind, make in MANY_WRAPPERS.items():
+        torch.manual_seed(INIT_SEED + rank)
+        net = ManySmall()
+        wrapper = make(net)
+        torch.manual_seed(INIT_SEED)
+        ref = ManySmall()  # rank 0's initialisation = the broadcast parameters
+        out: dict = {"ops": [], "mismatch": [], "num_buckets": getattr(wrapper, "num_buckets", 1)}
+        # step 0: plain backward
+        _many_backward(wrapper, rank, 0)
+        none_before = [n for n, p in net.named_parameters() if p.grad is None]
+        with _OpLog() as log:
+            wrapper.finish_gradient_synchronization()
+        out["ops"].append((log.ops, wrapper.last_sync.collectives_in_finish))
+        out["before"] = wrapper.last_sync.collectives_before_finish
+        out["none_before"] = none_before
+        _many_backward(ref, rank, 0)
+        out["mismatch"] += _mismatches(0, net, _old_average(list(ref.parameters()), world_size))
+        out["storage_bytes"] = {n: p.grad.untyped_storage().nbytes() for n, p in net.named_parameters()
+                                if p.grad is not None}
+        out["storage_ptr"] = {n: p.grad.untyped_storage().data_ptr() for n, p in net.named_parameters()
+                              if p.grad is not None}
+        # step 1: zero in place, one micro-step under no_sync, one synchronized
+        for module in (net, ref):
+            module.zero_grad(set_to_none=False)
+        with wrapper.no_sync():
+            _many_backward(wrapper, rank, 1)
+            wrapper.finish_gradient_synchronization()
+        _many_backward(wrapper, rank, 2)
+        with _OpLog() as log:
+            wrapper.finish_gradient_synchronization()
+        out["ops"].append((log.ops, wrapper.last_sync.collectives_in_finish))
+        for micro in (1, 2):
+            _many_backward(ref, rank, micro)
+        out["mismatch"] += _mismatches(1, net, _old_average(list(ref.parameters()), world_size))
+        out["bucket_names"] = getattr(wrapper, "bucket_param_names", None)
+        out["layout"] = _layout_check(make, rank)
+        results[kind] = out
+    return results
+
+
+class _Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4).t())  # (4, 5) with strides (1, 4): not contiguous
+        self.b = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+def _layout_check(make, rank: int) -> tuple[bool, list[str]]:
+    """A non-contiguous parameter keeps grads in its own layout across steps (set_to_none=False, so the
+    next backward accumulates into the averaged grad): (strides always equal, warnings raised)."""
+    torch.manual_seed(rank)
+    net = _Transposed()
+    wrapper = make(net)
+    same = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            net.zero_grad(set_to_none=False)
+            wrapper(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+            wrapper.finish_gradient_synchronization()
+            same = same and net.w.grad.stride() == net.w.stride()
+    return same, [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="module")
+def copy_out() -> list[dict]:
+    return spawn(_copy_out_job, 2, timeout_s=60.0)
+
+
+def test_copy_out_equals_the_per_tensor_average_bitwise(copy_out):
+    """fp32 grads after finish == sum over ranks / world size per tensor (the former copy-out), for
+    complete buckets, a bucket with a tensor unused on rank 1, and one with a tensor no rank uses; also
+    after zero_grad(set_to_none=False) + a no_sync micro-step accumulating into the previous grads."""
+    for rank, result in enumerate(copy_out):
+        for kind, out in result.items():
+            assert out["mismatch"] == [], (rank, kind, out["mismatch"][:5])
+            assert "dead.weight" not in out["storage_bytes"], kind  # no gradient anywhere: stays None
+            assert "partial.weight" in out["storage_bytes"], kind  # rank 0's gradient (halved) on both
+            assert out["layout"] == (True, []), (rank, kind, out["layout"])
+
+
+def test_copy_out_launches_o1_kernels_per_finish(copy_out):
+    """84 tensors: finish's non-view ops do not grow with the number of tensors (the former copy-out ran
+    one division per tensor).  What remains: 2 per bucket launched inside finish (flags, cat), 2 per
+    tensor without a local gradient (zeros, flag fill; at most 4 here: dead, partial), and 4 per finish
+    (flags cat and compare, in-place and out-of-place multi-tensor division)."""
+    n_tensors = 2 * (N_SMALL + 2)
+    for rank, result in enumerate(copy_out):
+        for kind, out in result.items():
+            assert out["num_buckets"] == {"naive": 1, "flat": 1, "individual": n_tensors, "bucketed": 4}[kind]
+            for ops, launched_in_finish in out["ops"]:
+                divisions = [op for op in ops if "div" in op]
+                assert divisions and set(divisions) <= {"_foreach_div_", "_foreach_div"}, (kind, divisions)
+                assert len(divisions) == len(set(divisions)), (kind, divisions)  # one call each at most
+                if kind != "naive":  # naive's all-reduces are per tensor by design (c10d ops, not counted)
+                    bound = 2 * launched_in_finish + 2 * 4 + 4
+                    assert len(ops) <= bound, (rank, kind, launched_in_finish, ops)
+                if kind in ("flat", "bucketed"):
+                    assert len(ops) < n_tensors / 4, (rank, kind, ops)
+
+
+def test_gradients_are_released_at_launch_and_become_bucket_views(copy_out):
+    """The documented storage contract: launched buckets' p.grad is None until finish; afterwards a
+    bucket whose tensors all had a gradient somewhere shares one storage, a bucket holding a tensor no
+    rank used gets fresh tensors (its buffer is not kept alive)."""
+    for rank, result in enumerate(copy_out):
+        out = result["bucketed"]
+        buckets = out["bucket_names"]
+        launched = [n for bucket in buckets[:out["before"]] for n in bucket]
+        assert out["before"] == (3 if rank == 0 else 1)  # rank 1 lacks `partial`: bucket 1 waits for finish
+        unused_here = {"dead.weight", "dead.bias"} | ({"partial.weight", "partial.bias"} if rank else set())
+        assert set(out["none_before"]) == set(launched) | unused_here, rank
+        for bucket in buckets:
+            ptrs = {out["storage_ptr"][n] for n in bucket if n in out["storage_ptr"]}
+            if "dead.weight" in bucket:
+                assert len(ptrs) == len(bucket) - 2  # fresh tensors, sized exactly
+                assert all(out["storage_bytes"][n] <= 64 for n in bucket if n in out["storage_bytes"])
+            else:
+                assert len(ptrs) == 1, bucket

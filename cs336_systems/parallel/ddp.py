@@ -27,10 +27,30 @@ Semantics common to all (checked against single-process training and torch DDP i
   optimizers skip it exactly as in single-process training; one used on some ranks gets the average
   with zeros from the others.
 * ``no_sync()``: inside it nothing is communicated (hooks are idle, finish is a no-op) and gradients
-  accumulate locally; the first finish outside it averages the accumulated sums.  Gradients are read
-  from ``p.grad`` when a bucket is launched and written back into ``p.grad`` in finish (copy in / copy
-  out into a fresh flat buffer per step), so no stale gradient tensor is ever held: both
-  ``zero_grad(set_to_none=True)`` and ``zero_grad(set_to_none=False)`` work.
+  accumulate locally; the first finish outside it averages the accumulated sums.
+* Gradient storage (FlatDDP and the hook-based wrappers; NaiveDDP averages ``p.grad`` in place).  When
+  a bucket (FlatDDP: a dtype group) is launched, its gradients are copied into a fresh flat buffer
+  (``_pack``) and dropped (``p.grad = None``), so each gradient's memory is free as soon as it has been
+  copied.  **Between a bucket's launch and the end of finish its parameters' p.grad is None** (for the
+  hook-based wrappers that is from the middle of backward on: read gradients only after finish; for
+  FlatDDP the launch is inside finish).  Finish divides the all-reduced buffers in place and makes each
+  ``p.grad`` a view of its slice of the buffer, shaped like the parameter (like torch DDP's
+  ``gradient_as_bucket_view=True``).  So after finish the gradients of a bucket share one storage, which
+  stays alive while any of them does; in-place use (optimizers, clipping, ``GradScaler.unscale_``,
+  ``zero_grad(set_to_none=False)``, accumulation by the next backward or under ``no_sync()``) works as
+  usual, and both ``zero_grad(set_to_none=True)`` and ``set_to_none=False`` work: the next launch copies
+  whatever ``p.grad`` holds into a new buffer and drops the views.  Exception: in a bucket where some
+  parameter got a gradient on no rank, the others get fresh tensors instead of views, so the unused
+  parameter's slice (and the flags) are not kept alive by them; and a non-contiguous parameter gets a
+  copy in its own strides (autograd's gradient layout contract), at the cost of one extra pass over it.
+* Copy-out cost.  Averaging is one in-place multi-tensor division over all of the step's buffers
+  (``torch._foreach_div_``): it reads and writes each gradient element once, as the former
+  per-parameter ``torch.div(slice, world_size, out=p.grad)`` did, but in one host call instead of one
+  per tensor and without allocating (on CUDA its kernels are launched from C++, one per ~21M elements
+  or 110 tensors, so their number follows the bytes, not the tensor count).  The views are made when
+  a bucket is launched (one ``unflatten_dense_tensors`` call, during backward for the hook-based
+  wrappers), so finish's remaining per-parameter host work is the ``p.grad = view`` assignment.  Copy-in is one
+  ``torch.cat`` and one flags fill per bucket (plus a zero fill per locally missing gradient).
 * Gradients keep the parameters' dtype (fp32 master weights under bf16 autocast give fp32 grads).
   Dense gradients on one device per (dtype) group are assumed.
 
@@ -126,21 +146,82 @@ def _present_flags(buffers: list[tuple[list[nn.Parameter], torch.Tensor, bool]])
     return out
 
 
-def _unpack(params: list[nn.Parameter], buf: torch.Tensor, world_size: int, present: list[bool]) -> None:
-    """Write the average of the all-reduced ``buf`` (see _pack) into ``p.grad`` where any rank had one.
+class _Layout:
+    """A fixed list of same-dtype parameters and their place in a flat buffer (see _pack).
 
-    The division by the world size is fused into the copy out (one pass over the gradients, not two).
+    ``zero_size`` lists the positions of parameters with no elements, whose views need an explicit
+    reshape (``unflatten_dense_tensors`` may give them a fresh ``(0,)`` tensor).  ``strided`` lists the
+    non-contiguous parameters (rare): a contiguous view would break autograd's gradient layout contract
+    (grad strides = param strides; accumulating into it warns), so they get a copy in their own layout.
     """
-    offset = 0
-    for p, has_grad in zip(params, present):
-        piece = buf[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-        if not has_grad:
-            continue  # no rank produced a gradient: keep None, as single-process training would
-        if p.grad is None:
-            p.grad = piece / world_size  # a new tensor, so the step's flat buffer is not kept alive
+
+    __slots__ = ("params", "zero_size", "strided")
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.zero_size = [i for i, p in enumerate(params) if p.numel() == 0]
+        self.strided = [p for p in params if not p.is_contiguous()]
+
+    def pack_and_release(self) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+        """Copy the gradients into a new buffer and drop them from the parameters.
+
+        -> (buffer (sum numel + n,), one view of the buffer per parameter shaped like it, complete) where
+        ``complete`` says every parameter had a gradient here.  Setting ``p.grad = None`` frees each
+        gradient once copied (autograd does not touch it again this backward: the post-accumulate-grad
+        hook runs after accumulation), so gradients and buffers do not both stay allocated.
+        """
+        complete = all(p.grad is not None for p in self.params)
+        buf = _pack(self.params)
+        for p in self.params:
+            p.grad = None
+        return buf, self.views(buf), complete
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``buf`` per parameter, in one C++ call (the flags at the end are not covered)."""
+        views = list(torch._utils._unflatten_dense_tensors(buf, self.params))
+        for i in self.zero_size:
+            views[i] = views[i].view(self.params[i].shape)
+        return views
+
+
+def _average_into_grads(packed: list[tuple[_Layout, torch.Tensor, list[torch.Tensor], bool]],
+                        world_size: int) -> None:
+    """Turn all-reduced buffers (see _pack) into averaged ``p.grad`` where any rank had a gradient.
+
+    ``packed`` holds (layout, summed buffer, its per-parameter views, complete).  Buckets whose every
+    parameter had a gradient on some rank (the common case) are divided in place, all buffers in one
+    multi-tensor op, and their views become the gradients; in the others, the present slices are divided
+    out of place (one more multi-tensor op) into fresh tensors, so the buffer can be freed.  Either way
+    every gradient element is read once and written once.  A parameter without a gradient on every rank
+    keeps ``grad=None``, as single-process training would.
+    """
+    presence = _present_flags([(layout.params, buf, complete) for layout, buf, _, complete in packed])
+    in_place: list[torch.Tensor] = []
+    params: list[nn.Parameter] = []
+    grads: list[torch.Tensor] = []
+    copy_params: list[nn.Parameter] = []
+    copy_slices: list[torch.Tensor] = []
+    for (layout, buf, views, _), present in zip(packed, presence):
+        if all(present):
+            in_place.append(buf)
+            params.extend(layout.params)
+            grads.extend(views)
         else:
-            torch.div(piece, world_size, out=p.grad)
+            for p, view, has_grad in zip(layout.params, views, present):
+                if has_grad:
+                    copy_params.append(p)
+                    copy_slices.append(view)
+    if in_place:
+        torch._foreach_div_(in_place, world_size)  # the flags are divided too: harmless, already read
+    if copy_slices:
+        params.extend(copy_params)
+        grads.extend(torch._foreach_div(copy_slices, world_size))
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for layout, *_ in packed:
+        for p in layout.strided:  # an extra copy, but only of non-contiguous parameters' gradients
+            if p.grad is not None:
+                p.grad = torch.empty_like(p, requires_grad=False).copy_(p.grad)
 
 
 def _check_module(module: object, who: str) -> nn.Module:
@@ -246,6 +327,7 @@ class NaiveDDP(_DDPBase):
         flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32,
                              device=first.device)
         self._all_reduce(flags, async_op=False)
+        reduced: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p, any_grad in zip(self._params, (flags > 0).tolist()):
             if not any_grad:
                 continue
@@ -253,7 +335,10 @@ class NaiveDDP(_DDPBase):
                 p.grad = torch.zeros_like(p)  # used on another rank: contribute zeros
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
             self._all_reduce(grad, async_op=False)
-            grad.div_(self.world_size)
+            reduced.append((p, grad))
+        if reduced:  # one multi-tensor launch instead of one division per tensor
+            torch._foreach_div_([grad for _, grad in reduced], self.world_size)
+        for p, grad in reduced:
             if grad is not p.grad:
                 p.grad.copy_(grad)
 
@@ -274,30 +359,33 @@ class FlatDDP(_DDPBase):
 
     def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
         super().__init__(module, record_timing=record_timing)
-        self._groups = _group_by_dtype(self._params)
+        self._groups = [_Layout(group) for group in _group_by_dtype(self._params)]
 
     def _finish(self) -> None:
-        complete = [all(p.grad is not None for p in group) for group in self._groups]
-        buffers = [_pack(group) for group in self._groups]
-        works = [self._all_reduce(buf, async_op=True) for buf in buffers]  # overlap the dtype groups
+        packed, works = [], []
+        for layout in self._groups:
+            buf, views, complete = layout.pack_and_release()
+            packed.append((layout, buf, views, complete))
+            works.append(self._all_reduce(buf, async_op=True))  # overlap the dtype groups
         for work in works:
             work.wait()
-        packed = list(zip(self._groups, buffers, complete))
-        for (group, buf, _), present in zip(packed, _present_flags(packed)):
-            _unpack(group, buf, self.world_size, present)
+        _average_into_grads(packed, self.world_size)
 
 
 class _HookedBucketDDP(_DDPBase):
     """Buckets of parameters, each all-reduced asynchronously once all its gradients are accumulated.
 
     Per-step state: ``_waiting[b]`` counts bucket b's gradients not yet accumulated; ``_next`` is the
-    first bucket not yet launched; ``_in_flight`` holds (bucket, buffer, complete, work) of launched
-    buckets (complete: every gradient of the bucket was present on this rank when it was packed).
+    first bucket not yet launched; ``_in_flight`` holds (layout, buffer, views, complete, work) of
+    launched buckets (views: the buffer's per-parameter slices; complete: every gradient of the bucket
+    was present on this rank when it was packed).  Launching a bucket drops its parameters' gradients
+    (see the module docstring), so p.grad is None from then until finish.
     """
 
     def __init__(self, module: nn.Module, buckets: list[list[int]], *, record_timing: bool) -> None:
         super().__init__(module, record_timing=record_timing)
         self._buckets = [[self._params[i] for i in bucket] for bucket in buckets]
+        self._layouts = [_Layout(bucket) for bucket in self._buckets]
         self._bucket_of = {id(self._params[i]): b for b, bucket in enumerate(buckets) for i in bucket}
         self._reset_step()
         # The hooks live on the parameters (C++ side, invisible to Python's cycle collector): a hook that
@@ -325,7 +413,7 @@ class _HookedBucketDDP(_DDPBase):
         self._waiting = [len(bucket) for bucket in self._buckets]
         self._ready: set[int] = set()
         self._next = 0
-        self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, bool, object]] = []
+        self._in_flight: list[tuple[_Layout, torch.Tensor, list[torch.Tensor], bool, object]] = []
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._require_sync:
@@ -344,10 +432,9 @@ class _HookedBucketDDP(_DDPBase):
             self._launch(self._next)
 
     def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
-        complete = all(p.grad is not None for p in bucket)
-        buf = _pack(bucket)
-        self._in_flight.append((bucket, buf, complete, self._all_reduce(buf, async_op=True)))
+        layout = self._layouts[b]
+        buf, views, complete = layout.pack_and_release()
+        self._in_flight.append((layout, buf, views, complete, self._all_reduce(buf, async_op=True)))
         self._next = b + 1
 
     def forward(self, *args, **kwargs):
@@ -366,9 +453,7 @@ class _HookedBucketDDP(_DDPBase):
                 self._launch(self._next)
             for *_, work in self._in_flight:
                 work.wait()
-            packed = [(params, buf, complete) for params, buf, complete, _ in self._in_flight]
-            for (params, buf, _), present in zip(packed, _present_flags(packed)):
-                _unpack(params, buf, self.world_size, present)
+            _average_into_grads([entry[:4] for entry in self._in_flight], self.world_size)
         finally:
             self._reset_step()
 
