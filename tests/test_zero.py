@@ -13,10 +13,16 @@ zero1 with ``bucket_size_mb`` + ``overlap=True`` runs the same checks for three 
 group and dtype, several, one per tensor), plus probes: the flat reduce-scatter / all-gather functions are
 wrapped inside the worker to count reduce-scatters issued before ``step()`` (from backward hooks) and the
 all-gather temporaries alive at once (weak references).
+
+zero1's per-step copies are multi-tensor ops: a separate 2-rank job trains an 86-tensor model (a parameter
+unused on rank 1, one unused everywhere, a 0-element one, a non-contiguous one, every ``.data`` replaced once)
+with the current code and with zero._Bucket's copies patched back to the former per-parameter loops, and
+checks bitwise equality plus copy/allocation op counts (TorchDispatchMode) of O(buckets), not O(tensors).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import io
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems.parallel import zero
 from cs336_systems.parallel.launch import SpawnError, spawn
@@ -537,3 +544,184 @@ def test_bucket_option_errors(kwargs, error, match):
     # argument errors come before the process-group check, so no process group is needed here
     with pytest.raises(error, match=match):
         ShardedOptimizer([nn.Parameter(torch.zeros(3))], torch.optim.SGD, lr=0.1, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# zero1's per-step copies are multi-tensor ops: O(buckets) host calls, bitwise equal to per-parameter copies
+# ---------------------------------------------------------------------------------------------------
+
+N_LAYERS = 40  # Linear(4, 4) layers: 80 tensors of 64 and 16 bytes
+MANY_CAP_MB = 1000 / 2**20  # ~12 layers' worth of bytes: 4 buckets of the 86 tensors below
+COPY_OPS = {"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_", "clone", "cat"}
+ALLOC_OPS = {"empty", "new_empty", "empty_like", "zeros", "zeros_like", "new_zeros", "clone", "cat"}
+MANY_CONFIGS = {"one buffer": (None, False), "buckets": (MANY_CAP_MB, False), "overlap": (MANY_CAP_MB, True)}
+
+
+class ManySmall(nn.Module):
+    """86 small float32 tensors: ``partial`` is used by rank 0 only, ``dead`` and ``empty`` (0 elements) by no
+    rank, ``skew`` is not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4321)
+        self.dead = nn.Linear(4, 4)
+        self.first = nn.ModuleList(nn.Linear(4, 4) for _ in range(N_LAYERS // 2))
+        self.skew = nn.Parameter(torch.randn(5, 4).t())  # (4, 5) with strides (1, 4)
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+        self.partial = nn.Linear(4, 4)
+        self.second = nn.ModuleList(nn.Linear(4, 4) for _ in range(N_LAYERS // 2))
+
+    def forward(self, x: torch.Tensor, use_partial: bool) -> torch.Tensor:
+        """x (b, 4) -> (b, 4)."""
+        for layer in self.first:
+            x = torch.tanh(layer(x))
+        x = x + (x @ self.skew)[:, :4]
+        if use_partial:
+            x = x + self.partial(x)
+        for layer in self.second:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _OpLog(TorchDispatchMode):
+    """Counts of the non-view aten ops dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# The former per-parameter formulation of zero._Bucket's copies: one dispatched op per parameter (piece).
+def _per_parameter_refresh(self) -> None:
+    for j, start, end, piece in self.pieces:
+        piece.detach().view(-1).copy_(self.params[j].detach().reshape(-1)[start:end])
+
+
+def _per_parameter_pack(self) -> torch.Tensor:
+    flat = self.shard.new_empty(self.shard_numel * self.world)
+    for p, off in zip(self.params, self.offsets):
+        if p.grad is None:
+            flat[off:off + p.numel()].zero_()
+        else:
+            flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+    flat[self.numel:].zero_()
+    return flat
+
+
+def _per_parameter_shard_views(self, grad_shard: torch.Tensor) -> list[torch.Tensor]:
+    return [grad_shard[self.offsets[j] + start - self.lo:self.offsets[j] + end - self.lo].view_as(piece)
+            for j, start, end, piece in self.pieces]
+
+
+def _per_parameter_unpack(self, flat: torch.Tensor) -> None:
+    for p, off in zip(self.params, self.offsets):
+        p.copy_(flat[off:off + p.numel()].view_as(p))
+
+
+_PER_PARAMETER = {"refresh": _per_parameter_refresh, "pack_gradients": _per_parameter_pack,
+                  "shard_views": _per_parameter_shard_views, "unpack_parameters": _per_parameter_unpack}
+
+
+def _many_run(rank: int, cap: float | None, overlap: bool) -> dict:
+    """Four AdamW steps; before step 2 every parameter is changed outside the optimizer (its ``.data``
+    replaced), which the next step must pick up.  Copy-like and allocating ops counted over steps 1-3
+    (backward, hence the hooks, and step(); step 0 also creates the optimizer state)."""
+    model = ManySmall()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mode="zero1", lr=1e-2, weight_decay=0.1,
+                           bucket_size_mb=cap, overlap=overlap)
+    out: dict = {"params": [], "grads": [], "copies": 0, "allocations": 0, "buckets": opt.num_buckets}
+    for step in range(4):
+        opt.zero_grad()
+        if step == 2:
+            for p in model.parameters():
+                p.data = p.data * 1.25
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x, use_partial=rank == 0).square().mean()
+        with _OpLog() as log:
+            loss.backward()
+            opt.step()
+        if step > 0:
+            out["copies"] += sum(n for op, n in log.ops.items() if op in COPY_OPS)
+            out["allocations"] += sum(n for op, n in log.ops.items() if op in ALLOC_OPS)
+        out["params"].append([p.detach().clone() for p in model.parameters()])
+        out["grads"].append([None if q.grad is None else q.grad.clone()
+                             for group in opt._inner.param_groups for q in group["params"]])
+    out["state"] = copy.deepcopy(opt.state_dict())
+    return out
+
+
+def _many_job(rank: int, world: int) -> bytes:
+    results = {}
+    for name, (cap, overlap) in MANY_CONFIGS.items():
+        results[name, "foreach"] = _many_run(rank, cap, overlap)
+        saved = {attr: getattr(zero._Bucket, attr) for attr in _PER_PARAMETER}
+        try:
+            for attr, fn in _PER_PARAMETER.items():
+                setattr(zero._Bucket, attr, fn)
+            results[name, "per-parameter"] = _many_run(rank, cap, overlap)
+        finally:
+            for attr, fn in saved.items():
+                setattr(zero._Bucket, attr, fn)
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def many() -> list[dict]:
+    return [torch.load(io.BytesIO(blob), weights_only=False) for blob in spawn(_many_job, 2, timeout_s=60.0)]
+
+
+def _n_tensors() -> int:
+    return len(list(ManySmall().parameters()))
+
+
+@pytest.mark.parametrize("config", MANY_CONFIGS)
+def test_multi_tensor_copies_equal_the_per_parameter_copies_bitwise(many, config):
+    """Parameters after every step, the shard gradients the inner optimizer saw, and its state: bit for bit
+    what the per-parameter copies gave, with a parameter unused on rank 1, one unused everywhere, a 0-element
+    one, a non-contiguous one, and every parameter's ``.data`` replaced between two steps."""
+    skipped = 0  # shard gradients left None (pieces of ``dead``, in some rank's shard)
+    for rank, result in enumerate(many):
+        new, old = result[config, "foreach"], result[config, "per-parameter"]
+        assert new["buckets"] == old["buckets"] == (1 if config == "one buffer" else 4), new["buckets"]
+        for step, (got, want) in enumerate(zip(new["params"], old["params"], strict=True)):
+            assert all(torch.equal(g, w) and g.stride() == w.stride() for g, w in zip(got, want, strict=True)), \
+                (rank, step)
+        for step, (got, want) in enumerate(zip(new["grads"], old["grads"], strict=True)):
+            assert [g is None for g in got] == [w is None for w in want], (rank, step)
+            assert all(g is None or torch.equal(g, w) for g, w in zip(got, want)), (rank, step)
+            skipped += sum(g is None for g in got)
+        assert new["state"]["layout"] == old["state"]["layout"]
+        got_state, want_state = new["state"]["inner"]["state"], old["state"]["inner"]["state"]
+        assert got_state.keys() == want_state.keys() and got_state
+        for index, state in want_state.items():
+            assert all(torch.equal(got_state[index][k], v) for k, v in state.items()), (rank, index)
+    # the run is not trivial: every parameter with elements changed after step 0, and the ranks agree bit for bit
+    first, last = many[0][config, "foreach"]["params"][0], many[0][config, "foreach"]["params"][-1]
+    assert sum(not torch.equal(a, b) for a, b in zip(first, last)) == _n_tensors() - 1  # all but ``empty``
+    assert all(torch.equal(a, b) for a, b in zip(last, many[1][config, "foreach"]["params"][-1]))
+    assert skipped > 0
+
+
+@pytest.mark.parametrize("config", MANY_CONFIGS)
+def test_copies_and_allocations_grow_with_buckets_not_tensors(many, config):
+    """Over 3 steps of 86 tensors: at most 6 copy-like ops per bucket and step (pack: one cat, or a copy and a
+    zero fill where gradients are missing; refresh, copy-back: one copy each; gloo's wait() copies each
+    collective's result: 2) and at most 3 allocations (packed gradients, shard gradient, all-gather output);
+    plus, per step, up to 4 copies and 1 allocation for the non-contiguous ``skew`` (its own refresh and
+    copy-back calls; a contiguous copy of its gradient if its bucket is packed by cat, as the per-parameter
+    reshape made) and the flags all-reduce's wait.  The per-parameter copies launch >= 2 ops per tensor and
+    step, so the bound can fail."""
+    n_tensors, steps = _n_tensors(), 3
+    for rank, result in enumerate(many):
+        new, old = result[config, "foreach"], result[config, "per-parameter"]
+        buckets = new["buckets"]
+        assert new["copies"] <= steps * (6 * buckets + 4) < n_tensors, (rank, new["copies"], buckets)
+        assert new["allocations"] <= steps * (3 * buckets + 1), (rank, new["allocations"], buckets)
+        assert old["copies"] >= steps * 2 * n_tensors, (rank, old["copies"])
