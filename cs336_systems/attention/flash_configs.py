@@ -13,7 +13,7 @@ causality (how much of the work is the masked diagonal band), the sequence lengt
 smaller tiles (more programs) win there, while at the leaderboard shape (16 x 128 tiles) per-tile
 efficiency decides.  `ShapeKey` buckets exactly those parameters.
 
-Choice, first match wins (`select`):
+Choice, first match wins (`flash_autotune.select`):
   1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
   2. `TUNED`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.attention.flash_autotune`
      and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one;
