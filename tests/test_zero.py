@@ -140,6 +140,13 @@ def _sharded(model: Toy, opt_name: str, mode: str, unfrozen: bool = False,
     return opt
 
 
+class _Done:
+    """A finished collective's work handle."""
+
+    def wait(self) -> None:
+        pass
+
+
 class _Probe:
     """Counts, per step(), reduce-scatters issued before it (from hooks) and inside it, all-gathers, and the
     most all-gather output temporaries alive at once, by wrapping the zero module's flat collectives."""
@@ -148,7 +155,7 @@ class _Probe:
         self.opt, self.steps = opt, []
         self.reduce_scatters = self.gathers = self.max_live = 0
         self._live: list[weakref.ref] = []
-        self._saved = zero._reduce_scatter_flat, zero.all_gather_flat
+        self._saved = zero._reduce_scatter_flat, zero.launch_all_gather_flat
         inner_step = opt.step
 
         def step(*args, **kwargs):
@@ -175,14 +182,16 @@ class _Probe:
             # gloo's worker thread may still hold the tensors of a finished collective for a moment: give it
             # a stand-in, so the weak references see only the optimizer's own references to ``output``
             stand_in = torch.empty_like(output)
-            ag(stand_in, input)
+            ag(stand_in, input).wait()
             output.copy_(stand_in)
+            return _Done()
 
-        zero._reduce_scatter_flat, zero.all_gather_flat = reduce_scatter, all_gather
+        zero._reduce_scatter_flat, zero.launch_all_gather_flat = reduce_scatter, all_gather
         return self
 
     def __exit__(self, *exc) -> None:
-        zero._reduce_scatter_flat, zero.all_gather_flat = self._saved
+        zero._reduce_scatter_flat, zero.launch_all_gather_flat = self._saved
+
         del self.opt.step
 
 
@@ -351,6 +360,21 @@ def _overlap_cases(rank: int, world: int) -> dict:
     opt.step()
     counts.append(opt.overlapped_reduce_scatters)
     out["frozen_counts"] = counts  # [0 (frozen: no hook), 0 (hook registered in that step), 1]
+
+    # gradients are released when their bucket is packed; the optimizer reports what it holds instead
+    model = Toy()
+    opt = _sharded(model, "adamw", "zero1", buckets="several")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    shard_bytes = sum(b.shard.numel() * b.shard.element_size() for b in opt._buckets)
+    for step in (1, 0):  # 1: every rank uses every parameter; 0: ``aux`` only on rank 0
+        opt.zero_grad()
+        _local_loss(model, step, rank).backward()
+        held = sum(t.numel() * t.element_size() for t in opt.gradient_tensors())
+        before = [p.grad is None for p in trainable]
+        opt.step()
+        out["release", step] = {"before": before, "after": [p.grad is None for p in trainable],
+                                "held_bytes": held, "shard_bytes": shard_bytes,
+                                "held_after": len(opt.gradient_tensors())}
     return out
 
 
@@ -469,8 +493,8 @@ def test_reduce_scatters_launched_from_backward_and_bounded_gathers(world, opt_n
         if mode == "broadcast":
             assert all(s["before"] == s["in_step"] == s["gathers"] == 0 for s in steps), steps
             continue
-        # the probe saw only all-gathers whose temporaries were freed before the next was allocated
-        assert res["max_live_gathers"] == 1, res["max_live_gathers"]
+        # two buckets in flight (gather i+1 while unpacking i), never more: a temporary is freed once unpacked
+        assert res["max_live_gathers"] == min(2, res["probe"][0]["buckets"]), res["max_live_gathers"]
         for t, s in enumerate(steps):
             # one reduce-scatter and one all-gather per bucket per step, wherever it was launched
             assert s["before"] + s["in_step"] == s["gathers"] == s["buckets"], (rank, t, s)
@@ -494,6 +518,22 @@ def test_overlap_hooks_do_not_keep_the_optimizer_alive_and_reject_a_second_backw
         second = res["second_backward"]
         assert second.startswith("RuntimeError") and "second gradient" in second and "parameter" in second, second
         assert res["frozen_counts"] == [0, 0, 1], res["frozen_counts"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_overlap_releases_gradients_once_packed(world):
+    """With overlap, p.grad is None once its bucket is packed: after backward when every bucket launched
+    from the hooks, otherwise after step() (which packs the rest); gradient_tensors() reports the shard
+    gradients (and packed copies in flight) held instead, and nothing after step()."""
+    for rank, res in enumerate(_results(world)):
+        res = res["overlap"]
+        full = res["release", 1]
+        assert all(full["before"]) and all(full["after"]), (rank, full)
+        assert full["held_bytes"] >= full["shard_bytes"] > 0 and full["held_after"] == 0, (rank, full)
+        partial = res["release", 0]
+        assert all(partial["after"]) and partial["held_after"] == 0, (rank, partial)
+        # aux has no gradient on ranks > 0: its bucket and every later one wait for step(), grads kept until then
+        assert all(partial["before"]) == (rank == 0), (rank, partial)
 
 
 @pytest.mark.parametrize("world", WORLDS)

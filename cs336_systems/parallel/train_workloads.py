@@ -173,6 +173,8 @@ class DistributedTrainStep:
         if self.cuda:
             params = self._local_params()
             grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            if isinstance(self.optimizer, ShardedOptimizer):
+                grads += self.optimizer.gradient_tensors()  # zero1 with overlap released p.grad at packing
             peak_before = torch.cuda.max_memory_allocated(self.device)
             p_bytes, g_bytes, o_bytes = _tensor_bytes(params), _tensor_bytes(grads), self._optimizer_state_bytes()
             self.memory.update(
