@@ -65,9 +65,10 @@ Timing hooks for benchmarks: after each ``finish_gradient_synchronization()`` th
 ``last_sync`` is a `SyncStats`: host wall time spent inside finish, the number of all-reduces launched
 before finish (from hooks: the overlapped ones) and inside it, and the bytes all-reduced.  For
 NaiveDDP and FlatDDP ``collectives_before_finish`` is always 0.  With ``record_timing=True`` and CUDA
-parameters, finish first waits for the compute stream (so backward kernels still queued are not
-billed to communication) and synchronizes the device before stopping the clock (so NCCL work still
-queued is); on CPU/gloo the host clock is already exact because ``wait()`` blocks.
+parameters, finish records CUDA events on the compute stream around itself: their distance is the
+device time from the end of backward's kernels to the end of synchronization (the communication
+backward did not hide, plus the copy-out), read lazily, with no host synchronization in the step;
+on CPU/gloo the host clock is already exact because ``wait()`` blocks.
 """
 
 from __future__ import annotations
@@ -92,12 +93,27 @@ _MB = 2**20  # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb doe
 
 @dataclass(frozen=True)
 class SyncStats:
-    """Communication of one step, recorded by finish_gradient_synchronization()."""
+    """Communication of one step, recorded by finish_gradient_synchronization().
 
-    finish_time_s: float  # host wall time inside finish (device-synchronized with record_timing=True)
+    ``finish_time_s``: the time finish took.  With CUDA events (``record_timing=True`` on CUDA) it is read
+    lazily: the first read waits for the end event, so read it after the timed region, not inside it.
+    """
+
     collectives_before_finish: int  # all-reduces launched from backward hooks (overlapped with compute)
     collectives_in_finish: int  # all-reduces launched inside finish
     bytes_all_reduced: int  # payload of all those all-reduces (flags included)
+    host_time_s: float  # host wall time inside finish
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # compute stream: before / after finish
+
+    @property
+    def finish_time_s(self) -> float:
+        """Device time from the end of backward's kernels to the end of synchronization (CUDA events), else
+        the host time inside finish (exact on CPU/gloo, where ``wait()`` blocks)."""
+        if self.events is None:
+            return self.host_time_s
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,22 +304,28 @@ class _DDPBase(nn.Module):
         A no-op inside no_sync().  Records this step's `SyncStats` in ``last_sync``.
         """
         device = self._params[0].device if self._params else torch.device("cpu")
-        cuda_timing = self.record_timing and device.type == "cuda"
-        if cuda_timing:
-            torch.cuda.current_stream(device).synchronize()  # backward compute is not communication
+        events = None
+        if self.record_timing and device.type == "cuda":
+            # Events on the compute stream, not host synchronization: a sync here would serialize host and
+            # device and so slow down exactly the host-bound steps being measured.  The start event fires
+            # when backward's kernels are done (backward compute is not communication); the end event once
+            # the stream has waited for every collective and the gradients are copied out.
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(device))
         launched_before = self._launched - self._launched_at_last_finish
         start_count = self._launched
         start = time.perf_counter()
         if self._require_sync:
             self._finish()
-        if cuda_timing:
-            torch.cuda.synchronize(device)
+        if events is not None:
+            events[1].record(torch.cuda.current_stream(device))
         elapsed = time.perf_counter() - start
         self.last_sync = SyncStats(
-            finish_time_s=elapsed,
             collectives_before_finish=launched_before,
             collectives_in_finish=self._launched - start_count,
             bytes_all_reduced=self._bytes - self._bytes_at_last_finish,
+            host_time_s=elapsed,
+            events=events,
         )
         self._launched_at_last_finish = self._launched
         self._bytes_at_last_finish = self._bytes

@@ -23,10 +23,11 @@ A step is: zero_grad(set_to_none=True), forward + cross-entropy under autocast, 
 ``finish_gradient_synchronization()`` where the wrapper has one, optimizer.step().
 
 Recorded per step (the last measured round's values are what the benchmark keeps):
-  ``sync_s``  time inside finish_gradient_synchronization() with the wrapper's ``record_timing``: the
-              compute stream is drained first, so for naive/flat it is the communication time and for
-              the overlapped wrappers the time between the end of backward and the end of
-              synchronization (communication that backward did not hide);
+  ``sync_s``  time inside finish_gradient_synchronization() with the wrapper's ``record_timing`` (on CUDA:
+              events on the compute stream, no host synchronization in the step): from the end of
+              backward's kernels to the end of synchronization, so for naive/flat it is the
+              communication time and for the overlapped wrappers the communication backward did not
+              hide;
   ``memory``  (CUDA only) bytes allocated after construction, the peak up to right before
               optimizer.step() and right after it, and a breakdown at the point before the step:
               parameters, gradients, optimizer state (all local to the rank) and activations/other (the
@@ -139,11 +140,17 @@ class DistributedTrainStep:
             fully_shard(model, mp_policy=policy)
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-        self.sync_s: float | None = None
+        self.last_sync = None  # the wrapper's SyncStats of the last step (read lazily: see sync_s)
         self.memory: dict[str, int] = {}
         if self.cuda:
             torch.cuda.synchronize(device)
             self.memory["after_construction"] = torch.cuda.memory_allocated(device)
+
+    @property
+    def sync_s(self) -> float | None:
+        """The last step's time inside finish_gradient_synchronization() (None without a timing wrapper).
+        On CUDA this waits for the step's end event: read it outside a timed region."""
+        return None if self.last_sync is None else self.last_sync.finish_time_s
 
     # --- memory accounting ----------------------------------------------------------------------
     def _local_params(self) -> list[torch.Tensor]:
@@ -168,8 +175,7 @@ class DistributedTrainStep:
             loss.backward()
         if self.wrapper is not None:
             self.wrapper.finish_gradient_synchronization()
-            last = getattr(self.wrapper, "last_sync", None)
-            self.sync_s = last.finish_time_s if last is not None else None
+            self.last_sync = getattr(self.wrapper, "last_sync", None)
         if self.cuda:
             params = self._local_params()
             grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -198,7 +204,7 @@ def train_case(device: torch.device, case: dict) -> dict:
     from cs336_systems.parallel import timing
 
     steps: list[DistributedTrainStep] = []
-    sync: list[float] = []
+    sync: list = []  # SyncStats per round, resolved after the measurement (reading one waits for its events)
 
     def setup() -> DistributedTrainStep:
         step = DistributedTrainStep(
@@ -209,8 +215,8 @@ def train_case(device: torch.device, case: dict) -> dict:
 
         def run() -> None:
             step()
-            if step.sync_s is not None:
-                sync.append(step.sync_s)
+            if step.last_sync is not None:
+                sync.append(step.last_sync)
 
         return run
 
@@ -220,7 +226,7 @@ def train_case(device: torch.device, case: dict) -> dict:
     extra: dict = {"rank_median_ms": [m * 1e3 for m in measured.rank_medians_s]}
     step = steps[-1]
     if sync:
-        measured_sync = sync[case["warmup"]:]  # the measured rounds' values
+        measured_sync = [s.finish_time_s for s in sync[case["warmup"]:]]  # the measured rounds' values
         slowest = [max(col) for col in zip(*timing.gather_floats(measured_sync, device))]
         sync_median = statistics.median(slowest)
         extra["sync_ms"] = sync_median * 1e3
