@@ -16,7 +16,9 @@ status 2) unless ``--any-machine``.
 
 Reads the JSON written by ``pytest perf/ --benchmark-autosave`` (or ``--benchmark-json``): the timed
 benchmarks with their ``extra_info`` (the case and derived rates) plus this project's ``"oom"`` list.
-Later files override earlier ones for the same case, so a sweep run in groups can be merged.
+Later files override earlier ones for the same case, so a sweep run in groups can be merged; the flash
+sweep's tables alone look at every run of a case, so that a cell measured in two runs can show the
+speedup over a baseline that only one of them measured (see `flash_tables`).
 
 Tables for the end-to-end suites:
   * per (precision, eager/compiled, attention): size x context rows, per mode mean +- std ms and MFU,
@@ -78,9 +80,10 @@ SIZE_ORDER = ("tiny", "small", "medium", "large", "xl", "2.7B")
 DIST_FIELDS = ("variant", "bucket_size_mb", "world_size", "backend", "size_mb")
 
 
-def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
-    """Entries (one dict per case: extra_info + 'stats' or status 'oom') and each run's machine facts."""
-    by_case: dict[tuple, dict] = {}
+def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
+    """Every saved measurement (one dict per case and run: extra_info + 'stats' or status 'oom'), in the
+    order of ``paths``, and each run's machine facts.  A case saved in several runs appears once per run."""
+    entries: list[dict] = []
     machines = []
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -89,12 +92,27 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
             entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path)}
             entry["status"] = entry.get("status", "ok")
             entry["stats"] = bench.get("stats", {})
-            by_case[_key(entry)] = entry
+            entries.append(entry)
         for oom in data.get("oom", []):
             entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0], "run": str(path)}
             entry.update(status="oom", stats={}, error=oom.get("error"))
-            by_case[_key(entry)] = entry
-    return list(by_case.values()), machines
+            entries.append(entry)
+    return entries, machines
+
+
+def _latest(entries: list[dict]) -> list[dict]:
+    """One entry per case: the last one in ``entries`` (later runs override earlier ones)."""
+    by_case: dict[tuple, dict] = {}
+    for entry in entries:
+        by_case[_key(entry)] = entry
+    return list(by_case.values())
+
+
+def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
+    """Entries (one dict per case: extra_info + 'stats' or status 'oom'; where a case was saved in several
+    runs, the last run's) and each run's machine facts."""
+    entries, machines = load_entries(paths)
+    return _latest(entries), machines
 
 
 def _key(entry: dict) -> tuple:
@@ -356,8 +374,42 @@ def attention_sweep_tables(entries: list[dict]) -> str:
     return "\n\n".join(out)
 
 
+SEVERAL_RUNS_MARK = "‡"
+
+
+def _flash_cell(by_impl: dict[str, list[dict]], contender: str, baselines: list[str],
+                rank: dict[str, int]) -> tuple[dict, dict]:
+    """One flash-sweep cell (N, d) whose entries may come from several saved runs.
+
+    ``by_impl``: impl -> its entries at this cell in run order (later runs last); ``rank``: run -> its
+    position on the command line.  Returns (shown, pairs):
+    shown[impl] is the entry to display: from the run that measured the contender beside the most
+    baselines (ties: the later run), else the impl's latest entry; pairs[baseline] is (baseline entry,
+    contender entry) from one run that measured both (that run if it did, else the latest such run), or
+    absent when no run did.
+    """
+    in_run = {(impl, e["run"]): e for impl, entries in by_impl.items() for e in entries}
+    measured = {(impl, run) for (impl, run), e in in_run.items() if _ms(e) is not None}
+    contender_runs = [e["run"] for e in by_impl.get(contender, [])]
+    chosen = max(contender_runs, default=None,
+                 key=lambda run: (sum((b, run) in measured for b in baselines), rank[run]))
+    shown = {impl: in_run.get((impl, chosen), entries[-1]) for impl, entries in by_impl.items()}
+    pairs = {}
+    for base in baselines:
+        both = [run for (impl, run) in measured if impl == base and (contender, run) in measured]
+        if both:
+            run = chosen if chosen in both else max(both, key=rank.__getitem__)
+            pairs[base] = (in_run[(base, run)], in_run[(contender, run)])
+    return shown, pairs
+
+
 def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
-    """Per (dtype, mode): N x d rows, ms and TFLOP/s per impl, speedup of ``contender`` over each baseline."""
+    """Per (dtype, mode): N x d rows, ms and TFLOP/s per impl, speedup of ``contender`` over each baseline.
+
+    ``entries`` may hold a case once per saved run (`load_entries`; a sweep cut short and completed by a
+    second run): each cell then shows the run that measured the contender beside the most baselines, and
+    each speedup divides times from one run (`_flash_cell`), marked ‡ where that is not the shown pair.
+    """
     sweep = [e for e in entries if e.get("test") == "test_flash"]
     out = []
     fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile")
@@ -370,24 +422,35 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
         dtype, mode, causal, batch, heads, compiled = variant
         impls = _impls(subset)
         baselines = [i for i in impls if i != contender] if contender in impls else []
-        cells = {(e["impl"], e["seq_len"], e["head_dim"]): e for e in subset}
+        rank = {run: i for i, run in enumerate(dict.fromkeys(e["run"] for e in subset))}  # file order
+        cells: dict[tuple, dict[str, list[dict]]] = {}
+        for e in subset:
+            cells.setdefault((e["seq_len"], e["head_dim"]), {}).setdefault(e["impl"], []).append(e)
         header = ["N", "d"]
         for impl in impls:
             header += [f"{_impl_label(impl, compiled)} ms", f"{_impl_label(impl, compiled)} TFLOP/s"]
         header += [f"{contender} speedup vs {b}" for b in baselines]
-        rows = []
-        for n, d in sorted({(e["seq_len"], e["head_dim"]) for e in subset}):
+        rows, marked = [], False
+        for n, d in sorted(cells):
+            shown, pairs = _flash_cell(cells[(n, d)], contender, baselines, rank)
             row = [str(n), str(d)]
             for impl in impls:
-                entry = cells.get((impl, n, d))
+                entry = shown.get(impl)
                 row += [_cell_median(entry), _fmt_rate(_ok(entry, "tflops"))]
             for base in baselines:
-                speedup = _same_run_ratio(cells.get((base, n, d)), cells.get((contender, n, d)))
-                row.append("-" if speedup is None else f"{speedup:.2f}x")
+                if base not in pairs:
+                    row.append("-")
+                    continue
+                pair = pairs[base]
+                mark = "" if pair == (shown.get(base), shown.get(contender)) else SEVERAL_RUNS_MARK
+                marked = marked or bool(mark)
+                row.append(f"{_same_run_ratio(*pair):.2f}x{mark}")
             rows.append(row)
         shape = f"B={batch}" + (f", H={heads}" if heads else "")
         title = f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
-        out.append(title + " (median ms)\n\n" + _table(header, rows))
+        note = (f"\n\n{SEVERAL_RUNS_MARK}: the case was saved in more than one run; this speedup divides the "
+                "two times of the run that measured both, not the times shown." if marked else "")
+        out.append(title + " (median ms)\n\n" + _table(header, rows) + note)
     return "\n\n".join(out)
 
 
@@ -865,7 +928,8 @@ def _link(path: Path, base: str | Path) -> str:
 def render(paths: list[str | Path], plots_dir: str | Path | None = None,
            link_base: str | Path | None = None) -> str:
     """The Markdown report of the runs; with ``plots_dir``, also the PNG plots, linked at the end."""
-    entries, machines = load_runs(paths)
+    every, machines = load_entries(paths)
+    entries = _latest(every)
     sections = [
         "# Benchmark report",
         machine_section(machines),
@@ -880,7 +944,7 @@ def render(paths: list[str | Path], plots_dir: str | Path | None = None,
         peak_memory_tables(entries),
         checkpointing_tables(entries),
         attention_sweep_tables(entries),
-        flash_tables(entries),
+        flash_tables(every),
         leaderboard_table(entries),
         allreduce_tables(entries, machines),
         data_parallel_summary(entries, machines),

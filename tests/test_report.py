@@ -172,6 +172,56 @@ def test_speedups_and_ratios_only_within_one_saved_run(tmp_path):
     assert "| forward | flash-triton | 2.00 | - | - | 2.00 | - |" in merged
 
 
+def test_flash_cell_saved_in_several_runs_prefers_the_run_with_baselines_and_pairs_speedups_by_run(tmp_path):
+    """A sweep cut short and completed by a second run: every cell shows a value, the run that measured
+    the contender beside the most baselines wins (ties: the later file), and each speedup divides times
+    of one run, marked ‡ when those are not the times shown."""
+    def flash(impl, n, ms):
+        return _attn("test_flash", impl, n, 64, "forward", ms / 1e3, causal=True, batch=1)
+
+    rest = _run(tmp_path, "long-rest.json", [
+        flash("flash-triton", 8192, 1.1), flash("sdpa-efficient", 8192, 2.2),
+        flash("flash-triton", 2048, 0.6), flash("naive", 2048, 1.8), flash("sdpa-efficient", 2048, 1.2),
+    ])
+    first = _run(tmp_path, "long.json", [
+        flash("flash-triton", 8192, 1.0), flash("naive", 8192, 8.0),
+        flash("flash-triton", 2048, 0.5), flash("naive", 2048, 1.0),
+        flash("flash-triton", 65536, 10.0),
+    ])
+    title = "### Flash sweep: fp32, forward, causal, B=1"
+    table = _section(report.render([rest, first]), title)
+    assert ("| N | d | naive ms | naive TFLOP/s | flash-triton ms | flash-triton TFLOP/s | sdpa-efficient ms | "
+            "sdpa-efficient TFLOP/s | flash-triton speedup vs naive | flash-triton speedup vs sdpa-efficient |"
+            ) in table
+    # two baselines beside flash-triton in long-rest.json beat one in the later long.json: all from rest
+    assert "| 2048 | 64 | 1.80 | - | 0.600 | - | 1.20 | - | 3.00x | 2.00x |" in table
+    # one baseline each: the later file's flash-triton is shown; vs sdpa-efficient pairs rest's own times
+    assert "| 8192 | 64 | 8.00 | - | 1.00 | - | 2.20 | - | 8.00x | 2.00x‡ |" in table
+    assert "| 65536 | 64 | - | - | 10.00 | - | - | - | - | - |" in table
+    assert "‡: the case was saved in more than one run" in table
+    # the same runs in the other order: the tie goes to long-rest.json now; the rest does not change
+    swapped = _section(report.render([first, rest]), title)
+    assert "| 8192 | 64 | 8.00 | - | 1.10 | - | 2.20 | - | 8.00x‡ | 2.00x |" in swapped
+    assert "| 2048 | 64 | 1.80 | - | 0.600 | - | 1.20 | - | 3.00x | 2.00x |" in swapped
+    # other tables keep "later runs override earlier", and one run alone needs no mark
+    entries, _ = report.load_runs([rest, first])
+    assert sorted(round(report._ms(e), 6) for e in entries if e["impl"] == "flash-triton") == [0.5, 1.0, 10.0]
+    assert "‡" not in report.render([first])
+
+
+def test_flash_cell_ties_go_to_the_later_file_whatever_impl_came_first(tmp_path):
+    """Ties between runs are broken by the order of the files, not by which impl a file measured first."""
+    def flash(impl, ms):
+        return _attn("test_flash", impl, 1024, 64, "forward", ms / 1e3, causal=True, batch=1)
+
+    runs = [_run(tmp_path, "a.json", [flash("naive", 9.0)]),
+            _run(tmp_path, "b.json", [flash("flash-triton", 1.0), flash("sdpa-efficient", 3.0)]),
+            _run(tmp_path, "c.json", [flash("flash-triton", 2.0), flash("naive", 4.0)])]
+    table = _section(report.render(runs), "### Flash sweep: fp32, forward, causal, B=1")
+    # b and c each measured flash-triton beside one baseline: c, the later file, is shown
+    assert "| 1024 | 64 | 4.00 | - | 2.00 | - | 3.00 | - | 2.00x | 3.00x‡ |" in table
+
+
 # --- distributed suites (allreduce, data_parallel) ---------------------------------------------------
 
 H200 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "cuda": "13.0", "torch": "2.11", "triton": "3.6",
