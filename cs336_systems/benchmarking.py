@@ -15,6 +15,17 @@ Every measurement in this package goes through here, so the rules hold everywher
 * CUDA out-of-memory (while building the workload, in a per-round hook, warming up or measuring)
   becomes a `Measurement` with ``status="oom"`` and the memory is released so the next case can run.
 
+Two ways to read a round's time (``timing``):
+  "host"    (default) the synchronizing clock: the device is idle when a round starts and drained when it
+            ends, so the round's time includes the host's latency to its first kernel (Python, dispatch,
+            launches) and the final sync: the latency a caller waits for one call.
+  "device"  as ``triton.testing.do_bench``: CUDA events recorded on the current stream right before and
+            after the step, no synchronization between rounds (one at the end).  The host runs ahead,
+            so host overhead is hidden behind device work already queued (the per-round hooks: the L2
+            flush, the forward before a timed backward) as long as it is shorter; what is measured is
+            device time, the convention of the FlashAttention and Triton benchmarks.  CUDA only.
+            Hooks still run outside the interval: their kernels precede the start event on the stream.
+
 Two front ends share these steps:
   `measure(setup, ...)`          times the rounds itself (scripts, profiling, anything outside pytest);
   `run_pytest_benchmark(benchmark, setup, ...)`  lets pytest-benchmark time them (perf/ cases), with
@@ -255,6 +266,44 @@ def _prepare(
     return step, hook
 
 
+TIMINGS = ("host", "device")
+
+
+def _check_timing(timing: str, device: torch.device | str | None) -> None:
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+    if timing == "device" and (device is None or torch.device(device).type != "cuda"):
+        raise ValueError(f"timing='device' uses CUDA events and needs a CUDA device, got device={device!r}")
+
+
+def device_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int, device,
+                        *, event: Callable[[], object] | None = None,
+                        sync: Callable[[], None] | None = None) -> list[float]:
+    """Time ``rounds`` rounds with events on the current stream (timing="device"); seconds per round.
+
+    Per round: the hook (untimed: its kernels are queued before the start event), start event, the step,
+    end event.  No synchronization until every round is queued, then one; ``event`` and ``sync`` are
+    injectable so tests can check that order with fakes.
+    """
+    if event is None:
+        stream = torch.cuda.current_stream(torch.device(device))
+
+        def event():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            return e
+
+    marks = []
+    for _ in range(rounds):
+        if hook is not None:
+            hook()
+        start = event()
+        _guard_oom(step)
+        marks.append((start, event()))
+    (sync or (lambda: synchronize(device)))()
+    return [start.elapsed_time(end) / 1e3 for start, end in marks]  # elapsed_time is in ms
+
+
 def measure(
     setup: Callable[[], Step],
     *,
@@ -263,20 +312,25 @@ def measure(
     device: torch.device | str | None = None,
     clock: SynchronizedClock | None = None,
     before_each: Hook | None = None,
+    timing: str = "host",
 ) -> Measurement:
     """Build the step with ``setup()``, run ``warmup`` uncounted rounds, then time ``rounds`` rounds.
 
     ``before_each`` (and the step's own ``before_each``, if any) runs before every round, untimed.
+    ``timing``: "host" (synchronizing clock) or "device" (CUDA events, do_bench-style); module docstring.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    _check_timing(timing, device)
     clock = clock or SynchronizedClock(device)
     step = hook = None
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
             times = []
-            for _ in range(rounds):
+            if timing == "device":
+                times = device_timed_rounds(step, hook, rounds, device)
+            for _ in range(rounds if timing == "host" else 0):
                 if hook is not None:
                     hook()
                 start = clock()  # syncs first: the hook's queued device work finishes before this read
@@ -301,8 +355,12 @@ def run_pytest_benchmark(
     device: torch.device | str | None = None,
     clock: SynchronizedClock | None = None,
     before_each: Hook | None = None,
+    timing: str = "host",
 ) -> Measurement:
     """Time a step with pytest-benchmark's ``benchmark`` fixture, under this harness's rules.
+
+    timing="device" (CUDA events, see the module docstring) times the rounds with `measure` and hands the
+    durations to pytest-benchmark through `record_measured_times`; the rest of this docstring is "host".
 
     pytest-benchmark's runner reads ``benchmark._timer`` before and after each round; pointing it at a
     SynchronizedClock makes every clock read wait for the device (a test pins this behaviour, because
@@ -315,6 +373,13 @@ def run_pytest_benchmark(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    _check_timing(timing, device)
+    if timing == "device":
+        result = measure(setup, warmup=warmup, rounds=rounds, device=device, clock=clock,
+                         before_each=before_each, timing="device")
+        if result.ok:
+            record_measured_times(benchmark, result.times_s)
+        return result
     clock = clock or SynchronizedClock(device)
     step = hook = None
     try:

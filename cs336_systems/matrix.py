@@ -142,7 +142,8 @@ _WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
 # Attention alone (cs336_systems.attention_workloads): q, k, v of shape (B, N, d), or (B, H, N, d) when
 # "heads" is a number; Nq = Nk = N.  "compile" wraps the registered function in
 # torch.compile(fullgraph=True); "flush_l2" zeroes a 256 MiB buffer before every round (untimed), as
-# triton.testing.do_bench does.  The attention, flash and leaderboard suites share this schema and differ
+# triton.testing.do_bench does; "timings" picks how a round is timed (`cs336_systems.benchmarking`: "host",
+# the synchronizing clock, or "device", CUDA events as do_bench).  The attention, flash and leaderboard suites share this schema and differ
 # in their values (benchmarks.json).
 _ATTENTION_GRID = {
     "impls": Key(_one_of(_attention_names), axis=True),
@@ -155,6 +156,7 @@ _ATTENTION_GRID = {
     "modes": Key(_one_of(ATTENTION_MODES), axis=True),
     "compile": Key(_boolean, axis=True, required=False, default=[False]),
     "flush_l2": Key(_boolean, axis=False, required=False, default=False),
+    "timings": Key(_one_of(("host", "device")), axis=True, required=False, default=["host"]),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
     "group": Key(_string, axis=False, required=False, default="default"),
@@ -232,6 +234,7 @@ _SINGULAR = {
     "world_sizes": "world_size",
     "variants": "variant",
     "bucket_sizes_mb": "bucket_size_mb",
+    "timings": "timing",
 }
 
 

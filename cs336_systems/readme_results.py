@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from cs336_systems.report import (
+    TIMING_LABEL,
     ATTENTION_MODE_ORDER,
     CROSS_RUN_MARK,
     MODE_ORDER,
@@ -86,7 +87,7 @@ def leaderboard_summary(entries: list[dict], machines: list[dict]) -> str:
     """Per leaderboard shape, per mode: compiled flash-triton, sdpa-flash and sdpa-cudnn ms and TFLOP/s,
     and flash-triton's time over each SDPA kernel's (same run)."""
     board = [e for e in entries if e.get("test") == "test_leaderboard"]
-    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2")
+    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
     out = []
     for shape in _variants(board, shape_fields):
         subset = [e for e in board if tuple(e.get(f) for f in shape_fields) == shape]
@@ -110,9 +111,10 @@ def leaderboard_summary(entries: list[dict], machines: list[dict]) -> str:
                 ratio = _same_run_ratio(first, pick[column])
                 row.append("-" if ratio is None else f"{ratio:.2f}")
             rows.append(row)
-        batch, heads, n, d, dtype, causal, flush = shape
+        batch, heads, n, d, dtype, causal, flush, timing = shape
         out.append(f"B={batch}, H={heads}, N={n}, d={d}, {dtype}, {'causal' if causal else 'not causal'}"
-                   + (", L2 flushed before every round" if flush else "") + "; median ms.\n\n"
+                   + (", L2 flushed before every round" if flush else "")
+                   + f", {TIMING_LABEL.get(timing, timing)}; median ms.\n\n"
                    + _table(header, rows))
     return "\n\n".join(out)
 

@@ -67,7 +67,10 @@ from cs336_systems import accounting
 from cs336_systems.machine import COMPARABLE_FIELDS
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
-ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2")
+ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
+ATTENTION_TESTS = ("test_attention", "test_flash", "test_leaderboard")
+# how a round was timed (cs336_systems.benchmarking); runs saved before the "timing" field were "host"
+TIMING_LABEL = {"host": "host-synchronized rounds", "device": "device time (CUDA events, as do_bench)"}
 MODE_ORDER = ("forward", "forward-backward", "train-step")
 ATTENTION_MODE_ORDER = ("forward", "backward", "forward-backward")
 IMPL_ORDER = ("naive", "naive-compiled", "flash-pytorch", "flash-triton", "sdpa", "sdpa-flash", "sdpa-cudnn",
@@ -92,10 +95,14 @@ def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
             entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path)}
             entry["status"] = entry.get("status", "ok")
             entry["stats"] = bench.get("stats", {})
+            if entry["test"] in ATTENTION_TESTS:
+                entry.setdefault("timing", "host")
             entries.append(entry)
         for oom in data.get("oom", []):
             entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0], "run": str(path)}
             entry.update(status="oom", stats={}, error=oom.get("error"))
+            if entry["test"] in ATTENTION_TESTS:
+                entry.setdefault("timing", "host")
             entries.append(entry)
     return entries, machines
 
@@ -459,7 +466,7 @@ def leaderboard_table(entries: list[dict], baselines: tuple[str, ...] = LEADERBO
     board = [e for e in entries if e.get("test") == "test_leaderboard"]
     if not board:
         return ""
-    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2")
+    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
     out = []
     for shape in _variants(board, shape_fields):
         subset = [e for e in board if tuple(e.get(f) for f in shape_fields) == shape]
@@ -478,9 +485,10 @@ def leaderboard_table(entries: list[dict], baselines: tuple[str, ...] = LEADERBO
                 ratios = ["-" if r is None else f"{r:.2f}" for r in ratios]
                 rows.append([mode, _impl_label(e["impl"], e.get("compile")), _cell_median(e),
                              _fmt_rate(_ok(e, "tflops")), _fmt(_ok(e, "accuracy_error"), ".1e"), *ratios])
-        batch, heads, n, d, dtype, causal, flush = shape
+        batch, heads, n, d, dtype, causal, flush, timing = shape
         title = (f"### Leaderboard: B={batch}, H={heads}, N={n}, d={d}, {dtype}, "
-                 f"{'causal' if causal else 'not causal'}" + (", L2 flushed before every round" if flush else ""))
+                 f"{'causal' if causal else 'not causal'}" + (", L2 flushed before every round" if flush else "")
+                 + f", {TIMING_LABEL.get(timing, timing)}")
         out.append(title + "\n\n" + _table(header, rows))
     return "\n\n".join(out)
 

@@ -12,6 +12,9 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
   backward: numbers the workload only knows once it has run);
 * zeroes a 256 MiB buffer before every round, outside the timed region, when the case says
   ``"flush_l2": true`` (`benchmarking.L2Flush`: a cold L2 each round, as triton.testing.do_bench);
+  ``"timings": ["device"]`` times attention rounds with CUDA events (``benchmarking`` timing="device",
+  do_bench's convention: device time, host overhead hidden behind queued work) instead of the default
+  host-synchronized clock; its cases' ids end in ``devicetime``;
 * turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
   so reports show OOM cells and comparisons never treat a missing time as a speed-up.
 
@@ -68,7 +71,7 @@ _ID_FORMAT = (
     ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
     ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"), ("variant", "{}"),
     ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"), ("warmup", "w{}"),
-    ("flush_l2", None),
+    ("flush_l2", None), ("timing", None),
 )
 
 
@@ -85,6 +88,9 @@ def case_id(case: dict) -> str:
         elif key == "flush_l2":
             if case[key]:
                 parts.append("l2flush")
+        elif key == "timing":
+            if case[key] != "host":  # the default keeps the ids saved before timings existed
+                parts.append(f"{case[key]}time")
         else:
             parts.append(fmt.format(case[key]))
     return "-".join(parts)
@@ -177,6 +183,7 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         result = benchmarking.run_pytest_benchmark(
             benchmark, setup, warmup=case["warmup"], rounds=case["rounds"], device=perf_device,
             before_each=benchmarking.L2Flush(perf_device) if case.get("flush_l2") else None,
+            timing=case.get("timing", "host"),
         )
         benchmark.extra_info["status"] = result.status
         benchmark.extra_info.update(extra_info or {})

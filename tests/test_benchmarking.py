@@ -353,3 +353,61 @@ def test_record_measured_times_reads_the_clock_twice_per_round_only():
 def test_record_measured_times_rejects_nan():
     with pytest.raises(ValueError, match="times_s"):
         benchmarking.record_measured_times(_PedanticRecorder(), [0.1, float("nan")])
+
+
+class FakeStream:
+    """A device queue for timing="device": an event's timestamp is the queued work ahead of it (the time
+    the device reaches it), and nothing waits on the host until sync()."""
+
+    def __init__(self, dev: FakeDevice):
+        self.dev = dev
+
+    def event(self):
+        dev = self.dev
+        dev.events.append("event")
+
+        class Event:
+            at = dev.now + dev.pending
+
+            def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event.elapsed_time
+                assert dev.events[-1] == "sync", "an event was read before the device was synchronized"
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+
+def test_device_timing_brackets_only_the_step_and_syncs_once():
+    dev = FakeDevice(step_seconds=0.25)
+    stream = FakeStream(dev)
+    step = FakeBackwardStep(dev, prepare_seconds=50.0)
+
+    def flush():
+        dev.events.append("flush")
+        dev.pending += 100.0
+
+    def hook():
+        step.before_each()
+        flush()
+
+    times = benchmarking.device_timed_rounds(step, hook, 4, "cuda", event=stream.event, sync=dev.sync)
+    assert times == [0.25] * 4  # 150 s of hook work queued before every round, none inside an interval
+    assert dev.events == ["prepare", "flush", "event", "step", "event"] * 4 + ["sync"]
+
+
+def test_device_timing_needs_cuda_and_a_known_name():
+    with pytest.raises(ValueError, match="timing='device'.*CUDA.*device='cpu'"):
+        measure(lambda: (lambda: None), warmup=0, rounds=1, device="cpu", timing="device")
+    with pytest.raises(ValueError, match="timing='device'.*device=None"):
+        measure(lambda: (lambda: None), warmup=0, rounds=1, timing="device")
+    with pytest.raises(ValueError, match="timing must be one of .*'wall'"):
+        measure(lambda: (lambda: None), warmup=0, rounds=1, timing="wall")
+
+
+@pytest.mark.gpu
+def test_cuda_device_timing_measures_the_kernels():
+    x = torch.randn(4096, 4096, device="cuda")
+    host = measure(lambda: (lambda: x @ x), warmup=3, rounds=10, device="cuda")
+    device = measure(lambda: (lambda: x @ x), warmup=3, rounds=10, device="cuda", timing="device")
+    assert host.ok and device.ok and len(device.times_s) == 10
+    # the same matmul: device time is positive and not above the host-synchronized latency by more than noise
+    assert 0 < device.stats.median <= host.stats.median * 1.2

@@ -184,7 +184,7 @@ def test_attention_grid_expands_with_defaults():
     cases = matrix.parse(data).cases("flash", "cpu")
     assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "seq_len": 8, "head_dim": 4,
                         "dtype": "fp32", "causal": True, "mode": "backward", "compile": False,
-                        "flush_l2": False, "warmup": 1, "rounds": 2, "group": "default"}
+                        "flush_l2": False, "timing": "host", "warmup": 1, "rounds": 2, "group": "default"}
     assert [c["seq_len"] for c in cases] == [8, 16]
     grid["heads"] = [None, 4]
     assert [c["heads"] for c in matrix.parse(data).cases("flash", "cpu")] == [None, None, 4, 4]
@@ -205,6 +205,7 @@ def _attention_grid(data, suite="flash"):
         (lambda d: _attention_grid(d).update(modes=["train-step"]), r"gpu\[0\]\.modes\[0\]: unknown value 'train-step'"),
         (lambda d: _attention_grid(d).update(causal=[1]), r"gpu\[0\]\.causal\[0\]: expected true or false"),
         (lambda d: _attention_grid(d).update(flush_l2=[True]), r"gpu\[0\]\.flush_l2: expected true or false"),
+        (lambda d: _attention_grid(d).update(timings=["wall"]), r"gpu\[0\]\.timings\[0\]: unknown value 'wall'"),
         (lambda d: _attention_grid(d).update(head_dims=[]), r"gpu\[0\]\.head_dims: expected a non-empty list"),
         (lambda d: _attention_grid(d).pop("seq_lens"), r"gpu\[0\]: missing required key 'seq_lens'"),
         (lambda d: _attention_grid(d, "leaderboard").update(compile=["yes"]),
