@@ -9,6 +9,6 @@ step allreduce-nccl
 timeout -s INT -k 20 150 python -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=gpu --perf-group=allreduce-nccl -k "ranks2 or ranks4" --benchmark-json=$OUT/allreduce-nccl.json 2>&1 | tail -2 | tee -a $log
 for p in fp32 bf16; do
   step scaling-$p
-  timeout -s INT -k 20 170 torchrun --nproc-per-node=4 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=gpu --perf-group=scaling-$p --benchmark-json=$OUT/scaling-$p-w4.json 2>&1 | tail -2 | tee -a $log
+  timeout -s INT -k 20 170 torchrun --nproc-per-node=4 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=full --perf-group=scaling-$p --benchmark-json=$OUT/scaling-$p-w4.json 2>&1 | tail -2 | tee -a $log
 done
 step done

@@ -10,12 +10,12 @@ if [ "${PART:-1}" = 1 ]; then
   step allreduce-nccl
   timeout -s INT -k 20 240 python -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=full --perf-group=allreduce-nccl --benchmark-json=$OUT/allreduce-nccl.json 2>&1 | tail -2 | tee -a $log
   step scaling-fp32-w8
-  timeout -s INT -k 20 200 torchrun --nproc-per-node=8 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=gpu --perf-group=scaling-fp32 --benchmark-json=$OUT/scaling-fp32-w8.json 2>&1 | tail -2 | tee -a $log
+  timeout -s INT -k 20 200 torchrun --nproc-per-node=8 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=full --perf-group=scaling-fp32 --benchmark-json=$OUT/scaling-fp32-w8.json 2>&1 | tail -2 | tee -a $log
 else
   for run in "8 bf16" "4 fp32" "4 bf16"; do
     set -- $run
     step scaling-$2-w$1
-    timeout -s INT -k 20 170 torchrun --nproc-per-node=$1 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=gpu --perf-group=scaling-$2 --benchmark-json=$OUT/scaling-$2-w$1.json 2>&1 | tail -2 | tee -a $log
+    timeout -s INT -k 20 170 torchrun --nproc-per-node=$1 -m pytest perf/test_distributed.py -q -p no:cacheprovider --perf-profile=full --perf-group=scaling-$2 --benchmark-json=$OUT/scaling-$2-w$1.json 2>&1 | tail -2 | tee -a $log
   done
 fi
 step done
