@@ -8,7 +8,8 @@ import torch
 
 from cs336_systems.attention.naive import naive_attention
 
-# Absolute floor added to the "2x PyTorch's own error" bound, per dtype.
+# Floor added to the "2x PyTorch's own error" bound, per dtype, relative to the example's largest reference
+# value (see tests/test_flash_pytorch.py for why it is needed where PyTorch's error is ~0).
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
@@ -64,10 +65,11 @@ def assert_flash_accuracy(fn, q, k, v, is_causal, *, check_saved=True, check_gra
     torchs = outputs_and_grads(lambda a, b, c, causal: naive_attention(a, b, c, is_causal=causal),
                                q, k, v, is_causal, grad_out)
     names = ("O", "dQ", "dK", "dV") if check_grads else ("O",)
+    floor = ATOL[dtype] * max([1.0] + [r.abs().max().item() for r in ref[:len(names)] if r.numel()])
     for name, r, a, b in zip(names, ref, ours, torchs):
         assert torch.isfinite(a).all(), f"{name} has non-finite values"
         err = (a.double() - r).abs().max().item()
-        bound = 2 * (b.double() - r).abs().max().item() + ATOL[dtype]
+        bound = 2 * (b.double() - r).abs().max().item() + floor
         assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (dtype {dtype})"
     if check_saved:
         lse = saved["lse"]

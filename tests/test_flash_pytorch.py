@@ -1,8 +1,11 @@
 """FlashAttentionPytorch (tiled forward, compiled recomputing backward) against a float64 reference.
 
 Tolerance rule (FlashAttention's): the error of O, L, dQ, dK, dV against float64 may be at most twice
-the error PyTorch's own naive attention makes in the same dtype, plus a small absolute floor (which
-only matters where the naive error happens to be ~0, e.g. Nk = 1).
+the error PyTorch's own naive attention makes in the same dtype, plus a small floor (which only matters
+where the naive error happens to be ~0, e.g. Nk = 1: with one key softmax's backward is exactly zero in
+PyTorch, while FlashAttention's D = rowsum(O∘dO) and dP = dO·Vᵀ round differently, so dS = P∘(dP − D)
+is rounding noise that dK sums over every query).  The floor is relative to the example's largest
+reference value, the scale those rounding errors are measured in.
 """
 
 import contextlib
@@ -10,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cs336_systems.attention import flash_pytorch
@@ -100,11 +103,12 @@ def check_against_reference(lead, nq, nk, d, is_causal, dtype, q_scale, seed):
     ours = flash(q, k, v, do, is_causal)
     baseline = naive_same_dtype(q, k, v, do, is_causal)
     expected_dtypes = (dtype, torch.float32, dtype, dtype, dtype)
+    floor = FLOOR[dtype] * max([1.0] + [r.abs().max().item() for r in ref if r.numel()])
     for name, x, r, b, want in zip(("O", "L", "dQ", "dK", "dV"), ours, ref, baseline, expected_dtypes):
         assert x.shape == r.shape, name
         assert x.dtype == want, name
         err, naive_err = max_error(x, r), max_error(b, r)
-        assert err <= 2 * naive_err + FLOOR[dtype], (
+        assert err <= 2 * naive_err + floor, (
             f"{name}: error {err:.3g} vs naive {naive_err:.3g} ({dtype}, lead {lead}, Nq {nq}, Nk {nk}, d {d}, "
             f"causal {is_causal})"
         )
@@ -128,6 +132,8 @@ tiles = st.sampled_from([None, (16, 16, 16), (16, 48, 32), (64, 32, 64)])
     tile=tiles,
     seed=st.integers(0, 2**31 - 1),
 )
+# found by Hypothesis: one key, many queries, a peaky q; PyTorch's dK error is exactly 0 there (module docstring)
+@example(lead=(), nq=126, nk=1, d=32, is_causal=False, q_scale=4.0, tile=None, seed=0)
 def test_float32_matches_float64_reference(lead, nq, nk, d, is_causal, q_scale, tile, seed):
     with tile_sizes(*tile) if tile else contextlib.nullcontext():
         check_against_reference(lead, nq, nk, d, is_causal, torch.float32, q_scale, seed)
