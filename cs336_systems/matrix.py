@@ -143,8 +143,8 @@ _WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
 # "heads" is a number; Nq = Nk = N.  "compile" wraps the registered function in
 # torch.compile(fullgraph=True); "flush_l2" zeroes a 256 MiB buffer before every round (untimed), as
 # triton.testing.do_bench does; "timings" picks how a round is timed (`cs336_systems.benchmarking`: "host",
-# the synchronizing clock, or "device", CUDA events as do_bench).  The attention, flash and leaderboard suites share this schema and differ
-# in their values (benchmarks.json).
+# the synchronizing clock, or "device", CUDA events as do_bench).  The attention, flash and leaderboard
+# suites share this schema and differ in their values (benchmarks.json).
 _ATTENTION_GRID = {
     "impls": Key(_one_of(_attention_names), axis=True),
     "batch_sizes": Key(_positive_int, axis=True),
