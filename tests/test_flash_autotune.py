@@ -24,10 +24,10 @@ def _grads_with(cfgs: dict[str, TileConfig], q, k, v, causal, longest_first=True
     flash_launch.forward(q, k, v, o, lse, causal, cfgs["fwd"], longest_first=longest_first)
     do = torch.randn_like(o, generator=torch.Generator(q.device).manual_seed(3))
     delta = torch.empty_like(lse)
-    flash_launch.preprocess(o, do, delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # as the backward runs them: dQ computes delta = rowsum(o * do) for dK/dV
+    flash_launch.dq(q, k, v, do, lse, delta, dq, causal, cfgs["dq"], longest_first=longest_first, o=o)
     flash_launch.dkdv(q, k, v, do, lse, delta, dk, dv, causal, cfgs["dkdv"])
-    flash_launch.dq(q, k, v, do, lse, delta, dq, causal, cfgs["dq"], longest_first=longest_first)
     return o, lse, do, (dq, dk, dv)
 
 

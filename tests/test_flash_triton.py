@@ -161,3 +161,23 @@ def test_registered_ops_match_the_eager_fast_path():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert flash_triton._eager(q)
     assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path
+
+
+def test_backward_is_two_launches_dq_first():
+    """The preprocess D = rowsum(O * dO) runs in the dQ kernel's prologue: the backward launches the dQ
+    kernel and then the dK/dV kernel, which reads the D that dQ stored (each launch is host time that small
+    problems pay in full)."""
+    from cs336_systems.attention import triton_kernels
+
+    launched = []
+
+    def counting(kernel):
+        launched.append(kernel)
+        return kernel
+
+    q, k, v = random_qkv((1,), 40, 40, 16, torch.float32, DEVICE, 0)
+    q3, k3, v3 = (t.detach().reshape(-1, 40, 16) for t in (q, k, v))
+    o, lse = flash_triton._forward(q3, k3, v3, True)
+    do = torch.randn_like(o)
+    flash_triton._backward(q3, k3, v3, o, lse, do, True, wrap=counting)
+    assert launched == [triton_kernels.flash_bwd_dq_kernel, triton_kernels.flash_bwd_dkdv_kernel]

@@ -46,8 +46,9 @@ compile_(kernels.flash_bwd_dkdv_kernel,
          strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
                     "n_queries", "n_keys"], ["sm_scale", "qk_scale"])
 compile_(kernels.flash_bwd_dq_kernel,
-         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16},
-         strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "n_queries", "n_keys"],
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",
+                    "n_keys"],
          ["sm_scale", "qk_scale"])
 print("compiled")
 """

@@ -196,14 +196,15 @@ def tune(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype
     lse = torch.empty(bh, n_queries, device=device, dtype=torch.float32)
     launch.forward(q, k, v, o, lse, causal, base["fwd"])
     delta = torch.empty_like(lse)
-    launch.preprocess(o, do, delta)
+    launch.dq(q, k, v, do, lse, delta, torch.empty_like(q), causal, base["dq"], o=o)  # fills delta for dK/dV
     out = {"fwd": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v), "dq": torch.empty_like(q)}
     scratch_lse = torch.empty_like(lse)
     runners = {
         "fwd": lambda cfg, wrap=launch.direct: launch.forward(q, k, v, out["fwd"], scratch_lse, causal, cfg, wrap),
         "dkdv": lambda cfg, wrap=launch.direct: launch.dkdv(q, k, v, do, lse, delta, out["dk"], out["dv"], causal,
                                                            cfg, wrap),
-        "dq": lambda cfg, wrap=launch.direct: launch.dq(q, k, v, do, lse, delta, out["dq"], causal, cfg, wrap),
+        # it also rewrites delta (the same values) as the backward's first kernel does
+        "dq": lambda cfg, wrap=launch.direct: launch.dq(q, k, v, do, lse, delta, out["dq"], causal, cfg, wrap, o=o),
     }
     produced = {"fwd": ("fwd",), "dkdv": ("dk", "dv"), "dq": ("dq",)}
     refs = {}
@@ -239,7 +240,8 @@ def tune(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype
         # The longest-first lever, measured with the winners: same kernels launched in natural tile order.
         natural = {
             "fwd": lambda: launch.forward(q, k, v, out["fwd"], scratch_lse, causal, chosen["fwd"], longest_first=False),
-            "dq": lambda: launch.dq(q, k, v, do, lse, delta, out["dq"], causal, chosen["dq"], longest_first=False),
+            "dq": lambda: launch.dq(q, k, v, do, lse, delta, out["dq"], causal, chosen["dq"], longest_first=False,
+                                    o=o),
         }
         for kernel in set(natural) & set(kernels):
             result.natural_order_ms[kernel] = round(bench(natural[kernel]), 5)

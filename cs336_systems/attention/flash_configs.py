@@ -1,6 +1,7 @@
 """Tile configurations of the FlashAttention-2 Triton kernels, and how one is chosen for a call.
 
-Three kernels take a configuration each (the backward preprocess uses the dQ kernel's query tile):
+Three kernels take a configuration each (the backward preprocess D = rowsum(O * dO) runs in the dQ
+kernel's prologue, with its query tile):
 
     "fwd"   forward:  BLOCK_M queries resident, loop over BLOCK_N keys
     "dkdv"  dK/dV:    BLOCK_N keys resident,    loop over BLOCK_M queries

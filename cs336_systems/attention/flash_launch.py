@@ -45,16 +45,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     )
 
 
-def preprocess(o: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, wrap: Callable = direct) -> None:
-    """delta (BH, Nq) = rowsum(o * do), written in place.  Memory-bound: 8 KiB of each input per program."""
-    bh, n_queries, d = o.shape
-    block_m = 8192 // d
-    wrap(kernels.flash_bwd_preprocess_kernel)[(triton.cdiv(n_queries, block_m), bh)](
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), n_queries,
-        HEAD_DIM=d, BLOCK_M=block_m, num_warps=4,
-    )
-
-
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct) -> None:
     """dk, dv (BH, Nk, d) written in place."""
     bh, n_queries, d = q.shape
@@ -70,14 +60,15 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
 
 
 def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
-       longest_first: bool = True) -> None:
-    """dq_out (BH, Nq, d) written in place."""
+       longest_first: bool = True, *, o: torch.Tensor) -> None:
+    """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
+    kernel reads: launch this one first)."""
     bh, n_queries, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
-        q, k, v, do, lse, delta, dq_out,
+        q, k, v, do, lse, delta, dq_out, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq_out.stride(0), dq_out.stride(1),
+        dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
         n_queries, k.shape[1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first,
         **cfg.launch_kwargs(),

@@ -1,4 +1,4 @@
-"""FlashAttention-2 Triton kernels (forward, backward preprocess, dK/dV, dQ). Kernel code only.
+"""FlashAttention-2 Triton kernels (forward; dQ, which computes D = rowsum(O * dO) first; dK/dV). Kernel code only.
 
 Layout: every tensor is (BH, N, d) with a unit stride on d; one program handles one tile of one
 (batch x head) slice.  Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so
@@ -106,22 +106,6 @@ def flash_fwd_kernel(
     tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
-
-
-@triton.jit
-def flash_bwd_preprocess_kernel(
-    O, DO, Dvec, stride_ob, stride_on, stride_dob, stride_don, n_queries,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Grid (cdiv(Nq, BLOCK_M), BH).  D = rowsum(O * dO) in float32."""
-    bh = tl.program_id(1).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < n_queries
-    o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows, other=0.0)
-    d = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Dvec + bh * n_queries + offs_m, d, mask=offs_m < n_queries)
 
 
 @triton.jit
@@ -242,9 +226,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, st
 
 @triton.jit
 def flash_bwd_dq_kernel(
-    Q, K, V, DO, L, Dvec, DQ,
+    Q, K, V, DO, L, Dvec, DQ, O,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
-    stride_dqb, stride_dqn,
+    stride_dqb, stride_dqn, stride_ob, stride_on,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
@@ -252,6 +236,9 @@ def flash_bwd_dq_kernel(
     """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
 
     Causal: longest-first like the forward (program 0 takes the last query tile).
+    The backward's preprocess is this kernel's prologue: D = rowsum(O * dO) for the program's query rows
+    (each row belongs to exactly one program), used here and stored to Dvec for the dK/dV kernel, which
+    runs after this one.  No separate preprocess launch.
     """
     pid_m = tl.program_id(0)
     if CAUSAL and LONGEST_FIRST:
@@ -265,7 +252,9 @@ def flash_bwd_dq_kernel(
     q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
     do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
     lse2 = tl.load(L + bh * n_queries + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-    delta = tl.load(Dvec + bh * n_queries + offs_m, mask=rows, other=0.0)
+    o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=rows[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Dvec + bh * n_queries + offs_m, delta, mask=rows)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_vb
