@@ -276,6 +276,19 @@ def _check_timing(timing: str, device: torch.device | str | None) -> None:
         raise ValueError(f"timing='device' uses CUDA events and needs a CUDA device, got device={device!r}")
 
 
+def _host_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int,
+                       clock: SynchronizedClock) -> list[float]:
+    """Time ``rounds`` rounds with the synchronizing clock (timing="host"); seconds per round."""
+    times = []
+    for _ in range(rounds):
+        if hook is not None:
+            hook()
+        start = clock()  # syncs first: the hook's queued device work finishes before this read
+        _guard_oom(step)
+        times.append(clock() - start)
+    return times
+
+
 def device_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int, device,
                         *, event: Callable[[], object] | None = None,
                         sync: Callable[[], None] | None = None) -> list[float]:
@@ -327,15 +340,10 @@ def measure(
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
-            times = []
             if timing == "device":
                 times = device_timed_rounds(step, hook, rounds, device)
-            for _ in range(rounds if timing == "host" else 0):
-                if hook is not None:
-                    hook()
-                start = clock()  # syncs first: the hook's queued device work finishes before this read
-                _guard_oom(step)
-                times.append(clock() - start)
+            else:
+                times = _host_timed_rounds(step, hook, rounds, clock)
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
