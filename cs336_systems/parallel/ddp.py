@@ -17,7 +17,10 @@ All four share one interface (DESIGN.md):
 
 Semantics common to all (checked against single-process training and torch DDP in tests/test_ddp.py):
 
-* Gradients are averaged: all-reduce(SUM) then divide by the world size (gloo has no ReduceOp.AVG).
+* Gradients are averaged.  On NCCL the all-reduce averages (ReduceOp.AVG): the division happens inside
+  the reduction, not as a separate pass over every gradient after the last all-reduce, where it would
+  sit on the step's critical path (8 GB read and written for the XL model in fp32).  gloo has no AVG:
+  all-reduce(SUM), then divide by the world size.
 * Only parameters with ``requires_grad=True`` at construction are communicated; frozen ones are
   never touched.  A parameter reachable twice (tied weights) is communicated once (``parameters()``
   de-duplicates by identity).
@@ -201,8 +204,11 @@ class _Layout:
 
 
 def _average_into_grads(packed: list[tuple[_Layout, torch.Tensor, list[torch.Tensor], bool]],
-                        world_size: int) -> None:
+                        divisor: int) -> None:
     """Turn all-reduced buffers (see _pack) into averaged ``p.grad`` where any rank had a gradient.
+
+    ``divisor``: the world size after a SUM all-reduce, 1 after an AVG one (the flags, averaged, stay > 0
+    exactly where some rank had a gradient).
 
     ``packed`` holds (layout, summed buffer, its per-parameter views, complete).  Buckets whose every
     parameter had a gradient on some rank (the common case) are divided in place, all buffers in one
@@ -227,11 +233,11 @@ def _average_into_grads(packed: list[tuple[_Layout, torch.Tensor, list[torch.Ten
                 if has_grad:
                     copy_params.append(p)
                     copy_slices.append(view)
-    if in_place:
-        torch._foreach_div_(in_place, world_size)  # the flags are divided too: harmless, already read
+    if in_place and divisor != 1:
+        torch._foreach_div_(in_place, divisor)  # the flags are divided too: harmless, already read
     if copy_slices:
         params.extend(copy_params)
-        grads.extend(torch._foreach_div(copy_slices, world_size))
+        grads.extend(torch._foreach_div(copy_slices, divisor))  # out of place even for 1: frees the buffer
     for p, grad in zip(params, grads):
         p.grad = grad
     for layout, *_ in packed:
@@ -256,6 +262,9 @@ class _DDPBase(nn.Module):
         require_process_group(who)
         self.module = module
         self.world_size = dist.get_world_size()
+        self.averages_in_collective = dist.get_backend() == "nccl"  # ReduceOp.AVG; see the module docstring
+        # What the all-reduced gradients still have to be divided by.
+        self._divisor = 1 if self.averages_in_collective else self.world_size
         self.record_timing = bool(record_timing)
         # Unique by identity (tied weights appear once), in registration order; frozen ones excluded.
         self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
@@ -296,7 +305,8 @@ class _DDPBase(nn.Module):
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool):
         self._launched += 1
         self._bytes += tensor.numel() * tensor.element_size()
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+        op = dist.ReduceOp.AVG if self.averages_in_collective else dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, async_op=async_op)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for (or issue) all communication of this step; afterwards p.grad holds the rank average.
@@ -358,8 +368,8 @@ class NaiveDDP(_DDPBase):
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
             self._all_reduce(grad, async_op=False)
             reduced.append((p, grad))
-        if reduced:  # one multi-tensor launch instead of one division per tensor
-            torch._foreach_div_([grad for _, grad in reduced], self.world_size)
+        if reduced and self._divisor != 1:  # one multi-tensor launch instead of one division per tensor
+            torch._foreach_div_([grad for _, grad in reduced], self._divisor)
         for p, grad in reduced:
             if grad is not p.grad:
                 p.grad.copy_(grad)
@@ -391,7 +401,7 @@ class FlatDDP(_DDPBase):
             works.append(self._all_reduce(buf, async_op=True))  # overlap the dtype groups
         for work in works:
             work.wait()
-        _average_into_grads(packed, self.world_size)
+        _average_into_grads(packed, self._divisor)
 
 
 class _HookedBucketDDP(_DDPBase):
@@ -475,7 +485,7 @@ class _HookedBucketDDP(_DDPBase):
                 self._launch(self._next)
             for *_, work in self._in_flight:
                 work.wait()
-            _average_into_grads([entry[:4] for entry in self._in_flight], self.world_size)
+            _average_into_grads([entry[:4] for entry in self._in_flight], self._divisor)
         finally:
             self._reset_step()
 
