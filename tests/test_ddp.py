@@ -688,3 +688,25 @@ def test_gradients_are_released_at_launch_and_become_bucket_views(copy_out):
                 assert all(out["storage_bytes"][n] <= 64 for n in bucket if n in out["storage_bytes"])
             else:
                 assert len(ptrs) == 1, bucket
+
+
+@pytest.mark.parametrize("divisor", [1, 2])
+def test_average_into_grads_divides_only_by_what_the_collective_left(divisor):
+    """After an AVG all-reduce (NCCL) the divisor is 1: the buffers become the gradients unchanged (in place,
+    sharing the buffer) or, for a bucket where some tensor had no gradient, copied without scaling; after a
+    SUM (gloo) they are divided by the world size. The averaged flags stay > 0 where some rank had a grad."""
+    from cs336_systems.parallel.ddp import _average_into_grads, _Layout
+
+    a, b, c = (nn.Parameter(torch.zeros(n)) for n in (3, 2, 4))
+    full, partial = _Layout([a, b]), _Layout([c, nn.Parameter(torch.zeros(1))])
+    # "all-reduced" buffers: grads then flags; in `partial` the second tensor had no grad on any rank.
+    full_buf = torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 0.5, 0.5])
+    partial_buf = torch.tensor([1.0, 3.0, 5.0, 7.0, 0.0, 0.5, 0.0])
+    packed = [(full, full_buf, full.views(full_buf), True), (partial, partial_buf, partial.views(partial_buf), False)]
+    _average_into_grads(packed, divisor)
+    torch.testing.assert_close(a.grad, torch.tensor([2.0, 4.0, 6.0]) / divisor)
+    torch.testing.assert_close(b.grad, torch.tensor([8.0, 10.0]) / divisor)
+    assert a.grad.data_ptr() == full_buf.data_ptr()  # in place: the buffer is the gradient
+    torch.testing.assert_close(c.grad, torch.tensor([1.0, 3.0, 5.0, 7.0]) / divisor)
+    assert c.grad.untyped_storage().data_ptr() != partial_buf.untyped_storage().data_ptr()  # a copy: buffer freed
+    assert partial.params[1].grad is None
