@@ -252,6 +252,8 @@ def _activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     tracker = _LiveStorages([*model.parameters(), *model.buffers(), tokens])
     with tracker:
         logits = model(tokens)
+    if isinstance(model, FSDP):  # let gloo's worker drop its transient reference to the last gathered weight
+        gathered_alive(model)
     return tracker.live_bytes() - logits.untyped_storage().nbytes()
 
 
