@@ -203,21 +203,35 @@ def _torch_ddp_run(rank: int, world_size: int, opt_name: str, set_to_none: bool,
     return _numpy_state(net)
 
 
-def _misuse_messages(rank: int, world_size: int) -> list[str]:
-    """Two backward passes without finish, and a forward before finish, must raise (not hang)."""
-    messages = []
-    for attempt in ("second_backward", "forward"):
-        wrapper = ddp.DDPIndividualParameters(_build(rank))
-        _loss(wrapper, 2, rank, world_size).backward()
-        try:
-            if attempt == "second_backward":
-                _loss(wrapper.module, 2, rank, world_size).backward()
-            else:
-                wrapper(*_batch(2)[::2])
-        except RuntimeError as exc:
-            messages.append(str(exc))
-        # complete the step on every rank so the collectives stay matched
-        wrapper.finish_gradient_synchronization()
+MISUSES = ("second_backward", "forward", "no_sync_forward", "no_sync_backward")
+
+
+def _misuse_messages(rank: int, world_size: int) -> dict[tuple[str, str], str | None]:
+    """After a synchronized backward and before finish: a second backward, a forward, and a forward or a
+    backward inside no_sync() (whose gradients finish would overwrite) must raise, not hang or lose data.
+    -> (wrapper, misuse) -> the error message, None if nothing was raised."""
+    messages: dict[tuple[str, str], str | None] = {}
+    for kind in ("individual", "bucketed"):
+        for attempt in MISUSES:
+            net = _build(rank)
+            wrapper = ddp.DDPIndividualParameters(net) if kind == "individual" else ddp.DDPBucketed(net, 1e-4)
+            _loss(wrapper, 2, rank, world_size).backward()
+            messages[kind, attempt] = None
+            try:
+                if attempt == "second_backward":
+                    _loss(wrapper.module, 2, rank, world_size).backward()
+                elif attempt == "forward":
+                    wrapper(*_batch(2)[::2])
+                elif attempt == "no_sync_forward":
+                    with wrapper.no_sync():
+                        wrapper(*_batch(2)[::2])
+                else:
+                    with wrapper.no_sync():
+                        _loss(wrapper.module, 2, rank, world_size).backward()
+            except RuntimeError as exc:
+                messages[kind, attempt] = str(exc)
+            # complete the step on every rank so the collectives stay matched
+            wrapper.finish_gradient_synchronization()
     return messages
 
 
@@ -441,9 +455,14 @@ def test_bf16_autocast_matches_torch_ddp(jobs):
 
 def test_misuse_raises_instead_of_hanging(jobs):
     for rank_result in jobs[2]:
-        second, forward = rank_result["misuse"]
-        assert "second gradient" in second and "no_sync" in second
-        assert "finish_gradient_synchronization()" in forward
+        for kind in ("individual", "bucketed"):
+            message = {attempt: rank_result["misuse"][kind, attempt] for attempt in MISUSES}
+            assert message["second_backward"] is not None and "second gradient" in message["second_backward"]
+            assert "no_sync" in message["second_backward"]
+            for attempt in ("forward", "no_sync_forward", "no_sync_backward"):
+                assert message[attempt] is not None, (kind, attempt, "nothing raised")
+                assert "finish_gradient_synchronization()" in message[attempt], (kind, attempt)
+            assert "inside no_sync()" in message["no_sync_backward"]
 
 
 def test_tiny_lm_bucketed_matches_single_process(jobs):

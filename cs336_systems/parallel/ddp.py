@@ -30,7 +30,11 @@ Semantics common to all (checked against single-process training and torch DDP i
   optimizers skip it exactly as in single-process training; one used on some ranks gets the average
   with zeros from the others.
 * ``no_sync()``: inside it nothing is communicated (hooks are idle, finish is a no-op) and gradients
-  accumulate locally; the first finish outside it averages the accumulated sums.
+  accumulate locally; the first finish outside it averages the accumulated sums.  Micro-steps go inside
+  it *before* the synchronized one: the hook-based wrappers have launched a synchronized backward's
+  buckets (and dropped those gradients) by the time it ends, so a no_sync() forward or backward between
+  it and its finish raises instead of having its gradients overwritten (NaiveDDP and FlatDDP, which
+  communicate only in finish, average g1 + g2 in that order too).
 * Gradient storage (FlatDDP and the hook-based wrappers; NaiveDDP averages ``p.grad`` in place).  When
   a bucket (FlatDDP: a dtype group) is launched, its gradients are copied into a fresh flat buffer
   (``_pack``) and dropped (``p.grad = None``), so each gradient's memory is free as soon as it has been
@@ -449,6 +453,10 @@ class _HookedBucketDDP(_DDPBase):
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._require_sync:
+            if self._ready:
+                # The synchronized backward's buckets are already launched with their gradients (and those
+                # were dropped): what accumulates now would be overwritten by finish, silently.
+                raise RuntimeError(self._pending_message("a backward pass inside no_sync()"))
             return  # inside no_sync(): just accumulate
         if id(param) in self._ready:
             name = self._name_of[id(param)]
@@ -469,13 +477,16 @@ class _HookedBucketDDP(_DDPBase):
         self._in_flight.append((layout, buf, views, complete, self._all_reduce(buf, async_op=True)))
         self._next = b + 1
 
+    def _pending_message(self, what: str) -> str:
+        return (
+            f"{type(self).__name__}: {what} while a synchronized backward pass's gradients have not been "
+            "finished; call finish_gradient_synchronization() after that backward (gradient-accumulation "
+            "micro-steps go inside no_sync() before the synchronized one, not after it)"
+        )
+
     def forward(self, *args, **kwargs):
-        if self._ready and self._require_sync:
-            raise RuntimeError(
-                f"{type(self).__name__}: a backward pass's gradients have not been synchronized yet; call "
-                "finish_gradient_synchronization() after backward and before the next forward (or run "
-                "gradient-accumulation micro-steps inside no_sync())"
-            )
+        if self._ready:  # inside no_sync() too: that micro-step's gradients could not be communicated
+            raise RuntimeError(self._pending_message("a forward pass"))
         return self.module(*args, **kwargs)
 
     def _finish(self) -> None:
