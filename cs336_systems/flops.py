@@ -57,12 +57,24 @@ def lm_flops(cfg: ModelConfig, batch_size: int, context: int, mode: str) -> floa
 def attention_flops(
     batch_heads: int, n_queries: int, n_keys: int, d_head: int, *, causal: bool, mode: str = "forward"
 ) -> float:
-    """FLOPs of attention over batch_heads independent (Nq x d, Nk x d) problems."""
+    """FLOPs of attention over batch_heads independent (Nq x d, Nk x d) problems.
+
+    4 FLOPs per (query, key, d) for QK^T and PV.  Causal counts the unmasked area of the Nq x Nk score
+    matrix under this package's mask (query i sees keys j <= i, aligned top-left), in the continuous form
+    the FlashAttention benchmarks use, so Nq == Nk gives exactly half: Nq^2 / 2 when Nq <= Nk, else
+    Nq * Nk - Nk^2 / 2 (every query past row Nk sees all keys).  The exact pair count differs by at most
+    min(Nq, Nk) / 2 pairs.
+    """
     multiplier = {"forward": 1.0, "backward": 2.5, "forward-backward": 3.5}
     if mode not in multiplier:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(multiplier)}")
-    forward = 4.0 * batch_heads * n_queries * n_keys * d_head * (0.5 if causal else 1.0)
-    return forward * multiplier[mode]
+    if not causal:
+        pairs = float(n_queries) * n_keys
+    elif n_queries <= n_keys:
+        pairs = n_queries * n_queries / 2.0
+    else:
+        pairs = float(n_queries) * n_keys - n_keys * n_keys / 2.0
+    return 4.0 * batch_heads * pairs * d_head * multiplier[mode]
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None:

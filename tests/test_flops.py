@@ -31,6 +31,11 @@ def test_attention_flops_conventions():
     fwd = flops.attention_flops(16, 1024, 1024, 64, causal=False)
     assert fwd == 4 * 16 * 1024 * 1024 * 64
     assert flops.attention_flops(16, 1024, 1024, 64, causal=True) == fwd / 2
+    # Nq != Nk: the causal area follows the mask (query i sees keys j <= i), not half of Nq x Nk
+    for nq, nk in [(128, 1024), (1024, 128), (1, 4096), (300, 301), (4096, 1)]:
+        exact_pairs = sum(min(i + 1, nk) for i in range(nq))
+        got_pairs = flops.attention_flops(1, nq, nk, 1, causal=True) / 4
+        assert abs(got_pairs - exact_pairs) <= min(nq, nk) / 2, (nq, nk, got_pairs, exact_pairs)
     assert flops.attention_flops(16, 1024, 1024, 64, causal=False, mode="backward") == 2.5 * fwd
     assert flops.attention_flops(16, 1024, 1024, 64, causal=False, mode="forward-backward") == 3.5 * fwd
 
