@@ -133,12 +133,18 @@ def _variant_title(variant: dict) -> str:
     parts = [str(variant["dtype"]), "causal" if variant.get("causal") else "not causal", shape]
     if variant.get("compile"):
         parts.append("compiled")
+    if variant.get("flush_l2"):
+        parts.append("L2 flushed")
+    if variant.get("timing") not in (None, "host"):  # host-synchronized rounds are the default
+        parts.append(f"{variant['timing']} time")
     return ", ".join(parts)
 
 
 def _variant_slug(variant: dict) -> list:
     return [variant["dtype"], "causal" if variant.get("causal") else "noncausal", f"b{variant['batch_size']}",
-            f"h{variant['heads']}" if variant.get("heads") else None, "compiled" if variant.get("compile") else None]
+            f"h{variant['heads']}" if variant.get("heads") else None, "compiled" if variant.get("compile") else None,
+            "flush" if variant.get("flush_l2") else None,
+            variant["timing"] if variant.get("timing") not in (None, "host") else None]
 
 
 def _attention_variants(entries: list[dict], test: str, fields: tuple[str, ...]) -> list[tuple[dict, list]]:
@@ -182,7 +188,7 @@ def _by_head_dim(subset: list[dict]) -> list[int]:
 
 def attention_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Attention sweep: latency vs N per mode, and memory before backward vs N (log-log, panel per d)."""
-    fields = ("dtype", "causal", "batch_size", "heads", "compile")
+    fields = ("dtype", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
     plots = []
     for variant, subset in _attention_variants(entries, "test_attention", fields):
         device = _device(subset, machines)
@@ -219,7 +225,7 @@ def _loglog_drawer(subset: list[dict], title: str, ylabel: str, value, compiled)
 
 def flash_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Flash sweep: TFLOP/s vs N (log2 x, linear y), one panel per d, one line per implementation."""
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile")
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
     plots = []
     variants = sorted(_attention_variants(entries, "test_flash", fields), key=lambda vs: (
         str(vs[0]["dtype"]), rp.ATTENTION_MODE_ORDER.index(vs[0]["mode"])

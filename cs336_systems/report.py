@@ -348,14 +348,23 @@ def _variants(entries: list[dict], fields: tuple[str, ...]) -> list[tuple]:
     return sorted({tuple(e.get(f) for f in fields) for e in entries}, key=str)
 
 
+def _measurement_suffix(flush_l2, timing) -> str:
+    """Title suffix for how a sweep was measured; empty for the default (host-synchronized, no flush), so a
+    run that mixes clocks gets one table per clock instead of host and device times in one row."""
+    suffix = ", L2 flushed before every round" if flush_l2 else ""
+    if timing not in (None, "host"):
+        suffix += f", {TIMING_LABEL.get(timing, timing)}"
+    return suffix
+
+
 def attention_sweep_tables(entries: list[dict]) -> str:
     """The handout's attention sweep: d x N rows; forward ms, backward ms, memory before backward per impl."""
     sweep = [e for e in entries if e.get("test") == "test_attention"]
     out = []
-    fields = ("dtype", "causal", "batch_size", "heads", "compile")
+    fields = ("dtype", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
     for variant in _variants(sweep, fields):
         subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
-        dtype, causal, batch, heads, compiled = variant
+        dtype, causal, batch, heads, compiled, flush, timing = variant
         impls = _impls(subset)
         cells = {(e["impl"], e["head_dim"], e["seq_len"], e["mode"]): e for e in subset}
         header = ["d", "N"]
@@ -375,7 +384,8 @@ def attention_sweep_tables(entries: list[dict]) -> str:
                 row += [_cell_median(cells.get((impl, d, n, "forward"))), _cell_median(backward), memory_cell]
             rows.append(row)
         shape = f"B={batch}" + (f", H={heads}" if heads else "")
-        title = f"### Attention sweep: {dtype}, {'causal' if causal else 'not causal'}, {shape}"
+        title = (f"### Attention sweep: {dtype}, {'causal' if causal else 'not causal'}, {shape}"
+                 + _measurement_suffix(flush, timing))
         out.append(title + " (median ms; memory in use after the forward, before backward)\n\n"
                    + _table(header, rows))
     return "\n\n".join(out)
@@ -419,14 +429,14 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
     """
     sweep = [e for e in entries if e.get("test") == "test_flash"]
     out = []
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile")
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
     variants = sorted(
         _variants(sweep, fields),
         key=lambda v: (str(v[0]), ATTENTION_MODE_ORDER.index(v[1]) if v[1] in ATTENTION_MODE_ORDER else 9, str(v)),
     )
     for variant in variants:
         subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
-        dtype, mode, causal, batch, heads, compiled = variant
+        dtype, mode, causal, batch, heads, compiled, flush, timing = variant
         impls = _impls(subset)
         baselines = [i for i in impls if i != contender] if contender in impls else []
         rank = {run: i for i, run in enumerate(dict.fromkeys(e["run"] for e in subset))}  # file order
@@ -454,7 +464,8 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
                 row.append(f"{_same_run_ratio(*pair):.2f}x{mark}")
             rows.append(row)
         shape = f"B={batch}" + (f", H={heads}" if heads else "")
-        title = f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
+        title = (f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
+                 + _measurement_suffix(flush, timing))
         note = (f"\n\n{SEVERAL_RUNS_MARK}: the case was saved in more than one run; this speedup divides the "
                 "two times of the run that measured both, not the times shown." if marked else "")
         out.append(title + " (median ms)\n\n" + _table(header, rows) + note)

@@ -5,7 +5,7 @@ import re
 import sys
 from pathlib import Path
 
-from cs336_systems import readme_results, report, run_compare
+from cs336_systems import plots, readme_results, report, run_compare
 
 
 def _bench(size, context, mode, precision, compile_, median_s, attention="sdpa", test="test_end_to_end"):
@@ -126,6 +126,29 @@ def test_flash_tables_per_dtype_and_mode_with_same_run_speedups(tmp_path):
     assert "speedup" not in _section(text, "### Flash sweep: bf16, backward, causal, B=1")
     assert "### Flash sweep: fp32, forward, causal, B=1" in text
     assert text.index("bf16, forward, causal") < text.index("bf16, backward, causal") < text.index("fp32, forward")
+
+
+def test_flash_tables_keep_host_and_device_timed_cases_of_one_run_apart(tmp_path):
+    """`--perf-profile=gpu` saves the host-timed and the device-timed flash groups in one JSON: a cell must
+    never show one clock's time beside the other's, nor divide them."""
+    common = dict(dtype="bf16", causal=True, batch=1)
+    benches = [
+        _attn("test_flash", "naive", 1024, 64, "forward", 0.004, timing="host", tflops=1.0, **common),
+        _attn("test_flash", "flash-triton", 1024, 64, "forward", 0.002, timing="host", tflops=2.0, **common),
+        _attn("test_flash", "flash-triton", 1024, 64, "forward", 0.001, timing="device", flush=True, tflops=4.0,
+              **common),
+        _attn("test_flash", "sdpa-flash", 1024, 64, "forward", 0.0008, timing="device", flush=True, tflops=5.0,
+              **common),
+    ]
+    text = report.render([_run(tmp_path, "one-session.json", benches)])
+    host = _section(text, "### Flash sweep: bf16, forward, causal, B=1 (median ms)")
+    device = _section(text, "### Flash sweep: bf16, forward, causal, B=1, L2 flushed before every round, "
+                            "device time (CUDA events, as do_bench) (median ms)")
+    assert "| 1024 | 64 | 4.00 | 1 | 2.00 | 2 | 2.00x |" in host and "sdpa-flash" not in host
+    assert "| 1024 | 64 | 1.00 | 4 | 0.800 | 5 | 0.80x |" in device and "naive" not in device
+    figures = plots.flash_plots(report.load_runs([_run(tmp_path, "one-session-2.json", benches)])[0])
+    names = sorted(p.filename for p in figures)
+    assert len(names) == 2 and len(set(names)) == 2 and any("device" in n for n in names), names
 
 
 def test_leaderboard_table_ratios_against_sdpa_in_the_same_run(tmp_path):
