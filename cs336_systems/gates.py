@@ -11,7 +11,9 @@ A gate in benchmarks.json::
 Every case of ``suite`` matching ``where`` and ``numerator`` is paired with the case that matches
 ``where`` and ``denominator`` and agrees with it on every other case field (fields named by either side,
 and bookkeeping fields like group, warm-up and rounds, are not compared).  Each pair's time ratio must be
-<= max_ratio.  Ratios measured in the same run hold across machines where absolute times do not, which
+<= max_ratio.  If two denominator cases agree on every compared field (they differ only in a field one
+side names, or in a bookkeeping field), the pairing is ambiguous and evaluation raises ValueError naming
+the fields, rather than dividing by whichever came last.  Ratios measured in the same run hold across machines where absolute times do not, which
 is why gates compare cases of one run and never a saved baseline.
 
 A gate none of whose pairs ran (another profile, a skipped or OOM case) is reported as "not measured",
@@ -61,9 +63,18 @@ def evaluate(gates: list[dict], entries: list[dict], case_fields: set[str]) -> l
         shared = sorted(case_fields - named - BOOKKEEPING)
         statistic = gate.get("statistic", "median")
         suite = [e for e in entries if e.get("suite") == gate["suite"] and _matches(e, where)]
-        denominators = {
-            tuple(e.get(f) for f in shared): e for e in suite if _matches(e, gate["denominator"])
-        }
+        denominators: dict[tuple, dict] = {}
+        for e in suite:
+            if not _matches(e, gate["denominator"]):
+                continue
+            key = tuple(e.get(f) for f in shared)
+            if key in denominators:  # pairing would depend on file order: make the gate say which one
+                other = denominators[key]
+                differ = sorted(f for f in case_fields if e.get(f) != other.get(f))
+                raise ValueError(
+                    f"gate {gate['name']!r}: several denominator cases share the pairing fields and differ only "
+                    f"in {differ}; name the one to divide by in the gate's 'denominator' or 'where'")
+            denominators[key] = e
         found = False
         for entry in suite:
             if not _matches(entry, gate["numerator"]):
@@ -111,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", default=str(matrix.DEFAULT_PATH), help="benchmarks.json with the gates")
     args = parser.parse_args(argv)
     m = matrix.load(args.matrix)
-    checks = evaluate(m.gates, entries_from_json(json.loads(Path(args.run).read_text())), case_fields_of(m))
+    try:
+        checks = evaluate(m.gates, entries_from_json(json.loads(Path(args.run).read_text())), case_fields_of(m))
+    except ValueError as exc:
+        print(f"gates: {exc}")
+        return 2
     print(table(checks))
     return 0 if all(c.ok for c in checks) else 1
 

@@ -45,6 +45,7 @@ from cs336_systems.parallel import launch
 OOM_KEY = pytest.StashKey[list]()
 RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this session, for the ratio gates
 GATES_KEY = pytest.StashKey[list]()
+GATES_ERROR_KEY = pytest.StashKey[str]()  # an ambiguous gate (gates.evaluate raised)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -277,13 +278,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not results:
         return
     m = _load_matrix(session.config)
-    checks = gates.evaluate(m.gates, results, gates.case_fields_of(m))
+    try:
+        checks = gates.evaluate(m.gates, results, gates.case_fields_of(m))
+    except ValueError as exc:  # an ambiguous gate: fail the run, but let pytest-benchmark save its JSON
+        session.config.stash[GATES_ERROR_KEY] = str(exc)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
     session.config.stash[GATES_KEY] = checks
     if not all(c.ok for c in checks) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    error = config.stash.get(GATES_ERROR_KEY, None)
+    if error is not None:
+        terminalreporter.section("ratio gates: error", red=True)
+        terminalreporter.line(error)
     checks = config.stash.get(GATES_KEY, [])
     if checks:
         violated = sum(not c.ok for c in checks)

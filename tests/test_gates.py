@@ -48,6 +48,23 @@ def test_cases_that_differ_elsewhere_are_not_paired():
     assert check.ratio is None and check.ok and "not measured" in gates.table([check])
 
 
+def test_ambiguous_denominators_raise_instead_of_taking_the_last():
+    """A denominator side that leaves out a field the numerator names (here compile) matches two cases."""
+    entries = [_entry("flash-triton", "forward-backward", 5.0, compile_=True),
+               _entry("sdpa-flash", "forward-backward", 7.0),
+               _entry("sdpa-flash", "forward-backward", 9.0, compile_=True)]
+    loose = {**GATE, "denominator": {"impl": "sdpa-flash"}}
+    with pytest.raises(ValueError, match=r"gate 'flash beats FA2': several denominator cases .* differ only in "
+                                         r"\['compile'\]"):
+        gates.evaluate([loose], entries, FIELDS)
+    # a bookkeeping field (warm-up) is not compared either: two runs of one case at different warm-ups
+    entries[2] = _entry("sdpa-flash", "forward-backward", 9.0, warmup=0)
+    with pytest.raises(ValueError, match=r"differ only in \['warmup'\]"):
+        gates.evaluate([GATE], entries, FIELDS)
+    (check,) = gates.evaluate([GATE], entries[:2], FIELDS)
+    assert check.ratio == pytest.approx(5 / 7)
+
+
 def test_statistic_is_selectable():
     entries = [_entry("flash-triton", "forward-backward", 5.0, compile_=True), _entry("sdpa-flash", "forward-backward", 7.0)]
     entries[0]["stats"]["min"] = 1.0
@@ -85,3 +102,8 @@ def test_cli_exit_code(tmp_path):
     run["benchmarks"][0]["stats"]["median"] = 6.5
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert gates.main(args) == 1
+    twin = copy.deepcopy(run["benchmarks"][1])
+    twin["extra_info"]["warmup"] = 0
+    run["benchmarks"].append(twin)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert gates.main(args) == 2  # ambiguous pairing: an error, not a verdict

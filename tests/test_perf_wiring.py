@@ -279,3 +279,16 @@ def test_ratio_gates_are_evaluated_at_the_end_of_the_session(project, max_ratio,
         assert "ratio gates: 1 violated" in output and "| longer is not slower |" in output and "VIOLATED" in output
     else:
         assert result.ret == 0 and "ratio gates: all 1 measured pairs hold" in output
+
+
+def test_an_ambiguous_gate_fails_the_session_but_the_json_is_saved(project):
+    # the denominator side leaves out context, which the numerator names: both contexts match it
+    data = dict(TINY_MATRIX, gates=[{"name": "ambiguous", "suite": "end_to_end", "numerator": {"context": 16},
+                                     "denominator": {"mode": "forward"}, "max_ratio": 1e6}])
+    (project.path / "benchmarks.json").write_text(json.dumps(data))
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider",
+                                          "--benchmark-json=out.json")
+    result.assert_outcomes(passed=2)
+    output = result.stdout.str()
+    assert result.ret == 1 and "ratio gates: error" in output and "differ only in ['context'" in output
+    assert len(json.loads((project.path / "out.json").read_text())["benchmarks"]) == 2
