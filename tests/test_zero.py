@@ -315,6 +315,12 @@ def _error_cases(rank: int, world: int) -> dict:
     out["wrong_rank"] = _error_message(lambda: by_mode["zero1"].load_state_dict(wrong_rank))
     out["wrong_mode"] = _error_message(lambda: by_mode["zero1"].load_state_dict(by_mode["broadcast"].state_dict()))
     out["bad_to"] = _error_message(lambda: by_mode["zero1"].consolidate_state_dict(to=world))
+    # add_param_group after consolidating: the consolidated copy (one group) is stale and must not be returned
+    for mode, opt in by_mode.items():
+        opt.consolidate_state_dict(to=0)
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 0.2})
+        state = opt.state_dict()
+        out["after_add", mode] = (state.get("format"), len(state["param_groups"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about duplicates before we raise
         out["duplicate"] = _error_message(lambda: ShardedOptimizer([params[0]] * 2, torch.optim.SGD, lr=0.1))
@@ -554,6 +560,8 @@ def test_distributed_errors(world):
         assert errors["wrong_rank"].startswith("ValueError") and "rank=" in errors["wrong_rank"]
         assert errors["wrong_mode"].startswith("ValueError") and "mode=" in errors["wrong_mode"]
         assert errors["bad_to"].startswith("ValueError") and "to must be" in errors["bad_to"]
+        for mode in MODES:
+            assert errors["after_add", mode] == (zero.LOCAL_FORMAT, 2), (mode, errors["after_add", mode])
         assert errors["duplicate"].startswith("ValueError") and "twice" in errors["duplicate"]
 
 

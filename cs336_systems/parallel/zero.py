@@ -92,6 +92,10 @@ State-dict formats:
     (start, end) is the range of the flattened parameter this rank holds (the whole tensor in "broadcast").
   full: exactly ``optimizer_cls(same param groups).state_dict()``: ``{"state": {global index: {name: value}},
     "param_groups": [...]}``, tensors on the CPU, per-element state tensors in the parameter's shape.
+    One exception: in "zero1" a zero-element parameter has no elements to shard, so no rank steps it and it
+    has no entry in "state" (the unsharded optimizer would hold empty tensors and a step count for it);
+    loading a full dict that has such an entry ignores it.  A consolidated copy is returned until the next
+    step, load_state_dict or add_param_group.
 """
 
 from __future__ import annotations
@@ -498,6 +502,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for key, value in _hyperparameters(self._inner.param_groups[-1]).items():
             group.setdefault(key, value)
         self._broadcast_plan = None
+        self._consolidated = None  # a consolidated copy lacks this group: stale
 
     def _shard_broadcast(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         # Largest first to the least-loaded rank; ties by position / lowest rank, so every rank agrees.
