@@ -249,12 +249,107 @@ def _accumulation_case(rank: int, world: int) -> dict:
     return dict(grad_err=err, num_gathers=fsdp.num_gathers, num_reduce_scatters=fsdp.num_reduce_scatters)
 
 
+def _two_backwards_case(rank: int, world: int) -> dict:
+    """Two backward passes before one finish: (forward, forward, backward, backward) and one graph
+    backpropagated twice (retain_graph).  Replicated gradients (the biases) must be averaged once, like the
+    sharded ones; the accumulated result equals single-process training's accumulated gradients."""
+    out = {}
+    x = torch.randn(world * 4, 5, generator=torch.Generator().manual_seed(7))
+    mine = x[rank * 4: (rank + 1) * 4]
+    for pattern in ("fwd-fwd-bwd-bwd", "retain-graph"):
+        torch.manual_seed(1)
+        mlp = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        ref = copy.deepcopy(mlp)
+        fsdp = FSDP(mlp)
+        if pattern == "fwd-fwd-bwd-bwd":
+            for half in x.split(2 * world):
+                F.mse_loss(ref(half), torch.zeros(len(half), 3)).backward()
+            losses = [F.mse_loss(fsdp(micro), torch.zeros(2, 3)) for micro in mine.split(2)]
+            for loss in losses:
+                loss.backward()
+        else:
+            for _ in range(2):
+                F.mse_loss(ref(x), torch.zeros(len(x), 3)).backward()
+            loss = F.mse_loss(fsdp(mine), torch.zeros(4, 3))
+            loss.backward(retain_graph=True)
+            loss.backward()
+        fsdp.finish_gradient_synchronization()
+        sharded = set(fsdp.sharded_parameter_names)
+        err = 0.0
+        for name, p in fsdp.module.named_parameters():
+            expected = dict(ref.named_parameters())[name].grad
+            if name in sharded:
+                expected = _padded_slice(expected, rank, world)
+            err = max(err, _rel_err(p.grad, expected))
+        out[pattern] = err
+    return out
+
+
+class _AuxOutput(nn.Module):
+    """An auxiliary output the loss may ignore: its layer's prefetched weight is left for end-of-backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.a, self.head = nn.Embedding(11, 7), nn.Linear(7, 7, bias=False), nn.Linear(7, 11, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        aux = self.a(x)  # first in forward, so last in backward's plan: ``a`` stays gathered for it
+        return self.head(x + torch.tanh(self.a(x))), aux
+
+
+def _recovery_case(rank: int, world: int) -> dict:
+    """A backward that raises (a gradient check failing), then normal steps: outputs keep matching the
+    unsharded model, and no gather is left over after each later backward."""
+    torch.manual_seed(0)
+    model = _AuxOutput()
+    ref = copy.deepcopy(model)
+    fsdp = FSDP(model)
+    opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    out = dict(raised=False, fwd_err=0.0, live_after_backward=0)
+    failing = [False]
+
+    def fail_at_the_end_of_backward(module, inputs, output):  # the embedding's output: backward's last step
+        if failing[0]:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("non-finite gradient")))
+
+    model.emb.register_forward_hook(fail_at_the_end_of_backward)
+    for step in range(4):
+        tokens, targets = (torch.randint(11, (world * 2, 5), generator=gen) for _ in range(2))
+        mine = slice(rank * 2, rank * 2 + 2)
+        if step == 1:
+            failing[0] = True
+            logits, _ = fsdp(tokens[mine])
+            failing[0] = False
+            try:
+                F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+            except RuntimeError:
+                out["raised"] = True
+            del logits
+            fsdp.finish_gradient_synchronization()
+        ref_opt.zero_grad()
+        ref_logits, _ = ref(tokens)
+        F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()).backward()
+        opt.zero_grad()
+        logits, _ = fsdp(tokens[mine])
+        out["fwd_err"] = max(out["fwd_err"], (logits - ref_logits[mine]).abs().max().item())
+        F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+        fsdp.finish_gradient_synchronization()
+        out["live_after_backward"] = max(out["live_after_backward"], fsdp.live_gathered)
+        opt.step()
+        ref_opt.step()
+    return out
+
+
 def _job(rank: int, world: int, cases: list[dict], with_errors: bool) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # FSDP must emit no warnings
         results = [_run_case(rank, world, **case) for case in cases]
         accumulation = _accumulation_case(rank, world)
-    return {"cases": results, "accumulation": accumulation,
+        two_backwards = _two_backwards_case(rank, world)
+        recovery = _recovery_case(rank, world)
+    return {"cases": results, "accumulation": accumulation, "two_backwards": two_backwards, "recovery": recovery,
             "errors": _error_cases(rank, world) if with_errors else None}
 
 
@@ -275,14 +370,14 @@ CASES_3 = [
 ]
 
 
-def _expected_comms(model: str) -> tuple[int, int, int]:
-    """Per step: (sharded forward calls, those whose backward needs the weight, replicated parameters).
+def _expected_comms(model: str) -> tuple[int, int]:
+    """Per step: (sharded forward calls, those whose backward needs the weight).
 
     Embeddings never need their weight in backward; every Linear here gets an input that requires grad.
     """
-    if model == "tiny":  # embedding + 2 x (qkv, out, w13, w2) + head; norms 2 x 2 + final
-        return 10, 9, 5
-    return 8, 7, 4  # embedding + 6 blocks + head (tied or not); 3 biases + norm
+    if model == "tiny":  # embedding + 2 x (qkv, out, w13, w2) + head
+        return 10, 9
+    return 8, 7  # embedding + 6 blocks + head (tied or not)
 
 
 def _check_accuracy(case: dict, got: dict, where: str) -> None:
@@ -311,15 +406,20 @@ def test_fsdp_matches_single_process(world, cases):
             assert got["alive_after_eval"] == 0 and got["live_after_eval"] == 0, where
             # Prefetch: at most `depth` layers ahead of the running one, and it really happens.
             assert got["max_live_gathered"] == case.get("depth", 2) + 1, where
-            fwd, bwd, replicated = _expected_comms(case["model"])
+            fwd, bwd = _expected_comms(case["model"])
             assert got["num_gathers"] == fwd + bwd, where
             assert got["num_reduce_scatters"] == fwd, where
-            assert got["num_all_reduces"] == replicated, where
+            assert got["num_all_reduces"] == 1, where  # the replicated gradients: one flat fp32 all-reduce
     for per_rank in result:
         acc = per_rank["accumulation"]
         assert acc["grad_err"] <= FP32_TOL["grad"], acc
         # 2 micro-batches x (3 forward gathers + 2 backward: the first layer's input needs no grad)
         assert acc["num_gathers"] == 2 * (3 + 2) and acc["num_reduce_scatters"] == 2 * 3, acc
+        two = per_rank["two_backwards"]
+        assert two["fwd-fwd-bwd-bwd"] <= FP32_TOL["grad"] and two["retain-graph"] <= FP32_TOL["grad"], two
+        recovery = per_rank["recovery"]
+        assert recovery["raised"] and recovery["live_after_backward"] == 0, recovery
+        assert recovery["fwd_err"] <= 1e-5, recovery
     if world == 2:
         errors = result[0]["errors"]
         assert errors["dtype_int"].startswith("ValueError") and "torch.int32" in errors["dtype_int"]

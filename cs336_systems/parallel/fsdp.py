@@ -2,7 +2,8 @@
 
 Every rank owns a flat, zero-padded 1/world slice of each *sharded* weight (by default the ``weight`` of every
 ``nn.Linear`` and ``nn.Embedding``); all other parameters (norm gains, biases, ...) are *replicated* and their
-gradients are averaged with an all-reduce, exactly as in DDP.
+gradients are averaged with an all-reduce, as in DDP (one flat all-reduce per dtype in
+``finish_gradient_synchronization``).
 
 Per sharded weight W with ``n = W.numel()``, ``padded = ceil(n / world) * world`` and ``s = padded / world``::
 
@@ -223,7 +224,7 @@ class FSDP(nn.Module):
         self._shard_of: dict[int, _ShardedWeight] = {}  # id(shard Parameter) -> same
         self._select(module, shard or default_shard_predicate)
 
-        # Replicated parameters: average their gradients as soon as autograd has accumulated them.
+        # Replicated parameters: marked when autograd accumulates into them, averaged in finish (see there).
         self._replicated = [p for p in module.parameters() if id(p) not in self._shard_of and p.requires_grad]
         # Parameter hooks live on the C++ side, out of reach of Python's cycle collector: a strong
         # reference to self would keep the wrapper (and every gathered buffer it owns) alive forever.
@@ -238,7 +239,7 @@ class FSDP(nn.Module):
             p.register_post_accumulate_grad_hook(on_replicated_grad)
 
         self._pending_rs: list[tuple[Any, _ShardedWeight, torch.Tensor, torch.Tensor]] = []
-        self._pending_ar: list[tuple[Any, nn.Parameter]] = []
+        self._replicated_dirty: set[int] = set()  # ids of replicated parameters with unreduced gradient
         self._fwd_plan: list[_ShardedWeight] | None = None  # sharded weights in the last forward's call order
         self._calls: list[_Call] | None = None  # the running forward's calls (None outside FSDP.forward)
         self._plan_ok = False
@@ -286,8 +287,12 @@ class FSDP(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._calls is not None:  # re-entered from inside the module: no extra bookkeeping
             return self.module(*args, **kwargs)
-        if self._pending_rs or self._pending_ar:  # gradient accumulation: settle the previous backward first
+        if self._pending_rs or self._replicated_dirty:  # gradient accumulation: settle the previous backward
             self.finish_gradient_synchronization()
+        # A backward that raised leaves its gathers (and the end-of-backward callback flag) behind: start
+        # clean, so this forward never computes with a weight gathered before the last optimizer step.
+        self._release_all()
+        self._backward_callback_queued = False
         self._calls = []
         self._plan_ok = self._fwd_plan is not None
         try:
@@ -301,7 +306,22 @@ class FSDP(nn.Module):
                 c.plan, c.position = plan, i
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the outstanding reduce-scatters / all-reduces and write the averaged fp32 gradients."""
+        """Wait for the outstanding reduce-scatters, average the replicated gradients, write the fp32 averages.
+
+        Replicated gradients are all-reduced here, once, in one flat buffer per dtype (they are small: norm
+        gains, biases), not from their accumulation hooks: a hook sees the accumulated ``.grad``, so two
+        backward passes before a finish (two forwards then two backwards, ``retain_graph``) would reduce the
+        first pass's gradient twice.  ``.grad`` = old (equal on every rank after the last finish) + this
+        step's local sums, so sum / world = old + the average of the new contributions.
+        """
+        replicated = [p for p in self._replicated if id(p) in self._replicated_dirty and p.grad is not None]
+        self._replicated_dirty.clear()
+        reductions = []
+        for dtype in dict.fromkeys(p.grad.dtype for p in replicated):  # first-seen order: same on every rank
+            grads = [p.grad for p in replicated if p.grad.dtype == dtype]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            reductions.append((dist.all_reduce(flat, async_op=True), flat, grads))
+            self.num_all_reduces += 1
         pending_rs, self._pending_rs = self._pending_rs, []
         for work, sw, out, full in pending_rs:
             work.wait()
@@ -313,10 +333,11 @@ class FSDP(nn.Module):
                 sw.param.grad = out.clone() if self._reduce_scatter_fallback else out
             else:
                 sw.param.grad.add_(out)
-        pending_ar, self._pending_ar = self._pending_ar, []
-        for work, p in pending_ar:
+        for work, flat, grads in reductions:
             work.wait()
-            p.grad.div_(self.world_size)
+            flat.div_(self.world_size)
+            for grad, average in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(average)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -446,8 +467,9 @@ class FSDP(nn.Module):
     def _pre_backward(self, call: _Call) -> None:
         """Runs when the gradient of a sharded call's output is ready: gather its weight and prefetch."""
         if not self._backward_callback_queued:
-            self._backward_callback_queued = True
+            # Flag only once queued: queue_callback raises outside a backward (a saved weight unpacked by hand)
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+            self._backward_callback_queued = True
         if not call.needs_weight:
             return
         if call.plan is None:  # made outside FSDP.forward: gather on demand
@@ -487,9 +509,7 @@ class FSDP(nn.Module):
         self._pending_rs.append((work, sw, out, full))
 
     def _on_replicated_grad(self, p: nn.Parameter) -> None:
-        # In place: ranks hold equal old gradients (averaged last step), so sum/world keeps accumulation right.
-        self._pending_ar.append((dist.all_reduce(p.grad, async_op=True), p))
-        self.num_all_reduces += 1
+        self._replicated_dirty.add(id(p))  # reduced in finish_gradient_synchronization
 
     def _post_backward(self) -> None:
         self._backward_callback_queued = False
