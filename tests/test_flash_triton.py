@@ -52,6 +52,17 @@ def test_registry_entry_and_non_contiguous_inputs():
     torch.testing.assert_close(out, attention.attention(q, q, q, is_causal=True, impl="naive"), rtol=1e-4, atol=1e-4)
 
 
+def test_double_backward_raises_instead_of_returning_zero_second_derivatives():
+    q, k, v = (torch.randn(1, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    # a plain backward (no graph of the gradients) still works after that
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    assert dq.shape == q.shape and not dq.requires_grad
+
+
 @pytest.mark.parametrize(
     "shapes_dtypes, match",
     [

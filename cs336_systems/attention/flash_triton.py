@@ -16,6 +16,9 @@ kernels directly, skipping the custom-op dispatch: at small sizes that dispatch 
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
+Double backward (``create_graph=True`` through this op) raises a RuntimeError in eager mode (under
+torch.compile, AOTAutograd rejects double backward itself): the kernels' gradients carry no graph.
+
 On a CPU tensor the kernels only run under Triton's interpreter (TRITON_INTERPRET=1 set before this
 module is imported); otherwise a ValueError says so.  float32 inputs use IEEE fp32 dots (not TF32) so
 fp32 results stay at fp32 accuracy.
@@ -131,6 +134,13 @@ class FlashAttentionTriton(torch.autograd.Function):
         args = (_as_3d(q), _as_3d(k), _as_3d(v), _as_3d(o), lse.reshape(-1, q.shape[-2]), _as_3d(grad_out),
                 ctx.is_causal)
         if _eager(grad_out):
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_out)):
+                # create_graph=True: the kernels' results would carry no graph, so a second derivative
+                # through attention would silently be zero
+                raise RuntimeError(
+                    "flash-triton does not support double backward: its backward ran with create_graph=True "
+                    "and its gradients would not be differentiable; use the 'naive' attention for "
+                    "higher-order gradients")
             dq, dk, dv = _backward(*args)
         else:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
