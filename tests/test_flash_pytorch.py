@@ -181,6 +181,22 @@ def test_sum_backward_and_top_left_causal_alignment():
     assert not k.grad[:, 3:].any() and not v.grad[:, 3:].any()
 
 
+def test_autocast_does_not_change_the_float32_computation():
+    """Under bf16 autocast the forward and backward still compute in float32 (the backward recomputes
+    P from L: both must come from the same float32 scores)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 70, 32, generator=gen, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 70, 32, generator=gen)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = FlashAttentionPytorch.apply(q, k, v, True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for plain, autocast in zip(*results):
+        assert autocast.dtype == torch.float32
+        torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
+
+
 def test_no_keys_gives_zeros_like_the_naive_reference():
     q, k, v = torch.randn(2, 5, 16), torch.zeros(2, 0, 16), torch.zeros(2, 0, 16)
     out = flash_attention_pytorch(q, k, v)

@@ -201,7 +201,9 @@ class FlashAttentionPytorch(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
         check_qkv(q, k, v)
         batch = math.prod(q.shape[:-2])
-        with nvtx_range("flash-pytorch forward"):
+        # float32 throughout, under autocast too: the backward recomputes P in float32 from L, so a forward
+        # whose score matmuls autocast ran in bf16 would hand it an L that does not match its own scores
+        with nvtx_range("flash-pytorch forward"), torch.autocast(q.device.type, enabled=False):
             o, lse = _flash_forward(_flatten(q, batch), _flatten(k, batch), _flatten(v, batch), bool(is_causal))
         o = o.reshape(q.shape).to(q.dtype)
         lse = lse.reshape(q.shape[:-1])
@@ -214,7 +216,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
     def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, o, lse = ctx.saved_tensors
         batch = math.prod(q.shape[:-2])
-        with nvtx_range("flash-pytorch backward"):
+        with nvtx_range("flash-pytorch backward"), torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = _flash_backward(
                 _flatten(q, batch),
                 _flatten(k, batch),
