@@ -192,6 +192,34 @@ def test_unreadable_cache_is_reported_and_ignored(tmp_cache, monkeypatch, capsys
     assert "ignoring unreadable cache" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "ignoring unreadable cache"),  # valid JSON, wrong structure
+    ('{"DEVICE": "oops"}', "ignoring unreadable cache"),
+    ('{"DEVICE": {"KEY": {"fwd": "64x32", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+    ('{"DEVICE": {"KEY": {"fwd": "48x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+    ('{"DEVICE": {"KEY": {"fwd": 7, "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+])
+def test_malformed_cache_falls_back_instead_of_failing_the_call(tmp_cache, monkeypatch, capsys, content, message):
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    cpu = torch.device("cpu")
+    key = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    tmp_cache.write_text(content.replace("DEVICE", flash_autotune.device_id(cpu)).replace("KEY", key.text()))
+    assert flash_autotune.select(1, 64, 64, 16, torch.float32, False, cpu) == flash_configs.default_config(key)
+    assert message in capsys.readouterr().err
+
+
+def test_storing_keeps_entries_another_process_saved_meanwhile(tmp_cache):
+    cpu = torch.device("cpu")
+    mine, theirs = ShapeKey.of(1, 64, 64, 16, torch.float32, False), ShapeKey.of(1, 4096, 4096, 64, torch.float16, True)
+    assert flash_autotune.cached(mine, cpu) is None  # this process has loaded the (empty) cache
+    entry = {"fwd": "64x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): {theirs.text(): entry}}))  # another tuner
+    flash_autotune._store_cache(cpu, mine, {k: TileConfig.parse(c) for k, c in entry.items()})
+    saved = json.loads(tmp_cache.read_text())[flash_autotune.device_id(cpu)]
+    assert set(saved) == {mine.text(), theirs.text()}
+    assert flash_autotune.cached(theirs, cpu) is not None  # the memo follows the merged file
+
+
 def test_tune_picks_the_fastest_correct_candidate_and_caches_it(tmp_cache):
     if not flash_autotune.interpreter_active():
         pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")

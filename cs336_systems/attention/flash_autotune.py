@@ -28,6 +28,7 @@ name and Triton version, then by `ShapeKey.text()`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -65,34 +66,66 @@ def device_id(device: torch.device) -> str:
     return f"{name} | triton {triton.__version__}"
 
 
+def _read_cache_file(path: Path) -> dict[str, dict[str, dict[str, str]]]:
+    """The cache file's {device id: {shape key: {kernel: config text}}}; {} (with a note) if unusable."""
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError("expected {device: {shape key: {kernel: config}}}")
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        # A corrupt cache only costs re-tuning; say so rather than failing the attention call.
+        print(f"flash_autotune: ignoring unreadable cache {path}: {exc}", file=sys.stderr)
+        return {}
+    return data
+
+
 def _load_cache() -> dict[str, dict[str, dict[str, str]]]:
     global _cache
     if _cache is None:
-        path = cache_path()
-        try:
-            _cache = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, json.JSONDecodeError) as exc:
-            # A corrupt cache only costs re-tuning; say so rather than failing the attention call.
-            print(f"flash_autotune: ignoring unreadable cache {path}: {exc}", file=sys.stderr)
-            _cache = {}
+        _cache = _read_cache_file(cache_path())
     return _cache
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock beside the cache file (POSIX); elsewhere, no lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent tuners may then lose an entry (re-tuned later)
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _store_cache(device: torch.device, key: ShapeKey, chosen: dict[str, TileConfig]) -> None:
-    cache = _load_cache()
-    cache.setdefault(device_id(device), {})[key.text()] = {kernel: cfg.short() for kernel, cfg in chosen.items()}
+    """Add one entry: re-read the file under a lock and merge, so entries other processes saved since this
+    one loaded the cache are kept; then write atomically (readers never see a half-written file)."""
+    global _cache
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: concurrent tuners never leave a half-written file
+    with _locked(path):
+        cache = _read_cache_file(path)
+        cache.setdefault(device_id(device), {})[key.text()] = {kernel: cfg.short() for kernel, cfg in chosen.items()}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    _cache = cache
 
 
 def cached(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
     entry = _load_cache().get(device_id(device), {}).get(key.text())
-    if entry is None or set(entry) != set(KERNELS):
+    if not isinstance(entry, dict) or set(entry) != set(KERNELS):
         return None
-    return {kernel: TileConfig.parse(text) for kernel, text in entry.items()}
+    try:
+        return {kernel: TileConfig.parse(text) for kernel, text in entry.items()}
+    except (AttributeError, TypeError, ValueError) as exc:  # a hand-edited or foreign entry: fall back
+        print(f"flash_autotune: ignoring cache entry {key.text()} in {cache_path()}: {exc}", file=sys.stderr)
+        return None
 
 
 def clear_memo() -> None:
