@@ -1,5 +1,6 @@
 """launch.spawn: results come back by rank (tensors included), failures and hangs raise, never hang."""
 
+import os
 import time
 
 import pytest
@@ -26,6 +27,12 @@ def _one_rank_hangs(rank, world_size):
         time.sleep(60)
 
 
+def _one_rank_exits_quietly(rank, world_size):
+    if rank == 1:
+        os._exit(0)  # no result, no traceback, exit code 0
+    return rank
+
+
 def test_spawn_returns_results_by_rank_with_tensors():
     results = launch.spawn(_sum_ranks, 3)
     assert [r["rank"] for r in results] == [0, 1, 2]
@@ -39,6 +46,13 @@ def test_spawn_reports_a_failing_rank_with_its_traceback():
     with pytest.raises(launch.SpawnError, match="rank one fails on purpose"):
         launch.spawn(_one_rank_raises, 2, timeout_s=10)
     assert time.monotonic() - start < 60
+
+
+def test_spawn_reports_a_rank_that_exits_without_a_result_at_once():
+    start = time.monotonic()
+    with pytest.raises(launch.SpawnError, match=r"rank\(s\) \[1\] exited with codes \[0\] without reporting"):
+        launch.spawn(_one_rank_exits_quietly, 2, timeout_s=120)
+    assert time.monotonic() - start < 60  # not the job's deadline (180 s)
 
 
 def test_spawn_kills_a_hung_job():

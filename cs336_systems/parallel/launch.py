@@ -155,13 +155,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                 try:
                     rank, ok, value = results.get(timeout=min(remaining, 1.0))
                 except queue_module.Empty:
+                    # Exit code 0 counts too (os._exit(0) inside fn): a rank that returned normally has
+                    # flushed its result into the queue before exiting, so it is collected, not "dead".
                     dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected
-                            and p.exitcode not in (0, None)]
+                            and p.exitcode is not None]
                     if dead:
                         # give its queue message a moment to arrive (it may have failed cleanly)
                         time.sleep(0.5)
                         if results.empty():
-                            failure = f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                            failure = (f"rank(s) {dead} exited with codes {[procs[r].exitcode for r in dead]} "
+                                       "without reporting a result")
                             break
                     continue
                 collected[rank] = (ok, value)
