@@ -44,7 +44,8 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None) -> dict:
     facts = first.get("machine_info", {}).get("cs336_systems")
     if facts is None:
         raise ValueError(f"{sources[0]}: no machine_info.cs336_systems (not saved by this project's perf suite)")
-    merged: dict[str, dict] = {}
+    # fullname -> ("benchmarks" | "oom", record): a case's latest outcome, timed or out of memory, wins
+    merged: dict[str, tuple[str, dict]] = {}
     for run, source in zip(runs, sources):
         other = run.get("machine_info", {}).get("cs336_systems")
         if other is None:
@@ -53,11 +54,12 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None) -> dict:
         if differences:
             listed = ", ".join(f"{f}: {a!r} vs {b!r}" for f, a, b in differences)
             raise ValueError(f"{source} comes from another machine or software than {sources[0]} ({listed})")
-        for bench in run.get("benchmarks", []):
-            merged[bench["fullname"]] = bench
+        for kind in ("benchmarks", "oom"):
+            for record in run.get(kind, []):
+                merged[record.get("fullname") or record.get("name", "")] = (kind, record)
     out = {key: value for key, value in first.items() if key not in ("benchmarks", "oom")}
-    out["benchmarks"] = list(merged.values())
-    out["oom"] = [o for run in runs for o in run.get("oom", [])]
+    out["benchmarks"] = [record for kind, record in merged.values() if kind == "benchmarks"]
+    out["oom"] = [record for kind, record in merged.values() if kind == "oom"]
     return out
 
 

@@ -75,6 +75,18 @@ def test_merge_keeps_every_case_and_later_runs_win():
     assert {b["fullname"]: b["stats"]["median"] for b in merged["benchmarks"]} == {"a": 1.0, "b": 3.0}
 
 
+def test_merge_keeps_each_cases_latest_outcome_timed_or_oom():
+    def run(timed, ooms):
+        data = _run_json("H100", timed)
+        data["oom"] = [{"fullname": name, "name": name, "error": "CUDA out of memory"} for name in ooms]
+        return data
+
+    # x OOMed, then a re-run timed it; y was timed, then OOMed; z OOMed twice
+    merged = baseline.merge_runs([run([("y", 2.0)], ["x", "z"]), run([("x", 1.0)], ["y", "z"])])
+    assert {b["fullname"]: b["stats"]["median"] for b in merged["benchmarks"]} == {"x": 1.0}
+    assert sorted(o["fullname"] for o in merged["oom"]) == ["y", "z"]
+
+
 def test_merge_refuses_runs_from_different_gpus():
     with pytest.raises(ValueError, match="gpu_name: 'H100' vs 'H200'"):
         baseline.merge_runs([_run_json("H100", [("a", 1.0)]), _run_json("H200", [("a", 1.0)])], ["x.json", "y.json"])
