@@ -502,6 +502,7 @@ def residual_stream_bytes(batch: int, context: int, d_model: int, dtype: torch.d
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cs336_systems import amp, workloads
+    from cs336_systems.cli_args import int_at_least
     from cs336_systems.model import SIZES, config
 
     parser = argparse.ArgumentParser(
@@ -509,16 +510,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Record a CUDA memory snapshot of LM steps (after warm-up) and print what held the peak.",
     )
     parser.add_argument("--size", default="2.7B", choices=list(SIZES))
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--context", type=int_at_least(1), default=128)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=4)
     parser.add_argument("--mode", default="forward", choices=list(workloads.MODES))
     parser.add_argument("--precision", default="fp32", choices=list(amp.PRECISIONS))
     # The handout's memory questions are about its own (naive) attention, whose softmax is visible.
     parser.add_argument("--attention", default="naive")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--warmup", type=int_at_least(0), default=2)
+    parser.add_argument("--rounds", type=int_at_least(1), default=1)
     parser.add_argument("--stacks", default="python", choices=list(STACKS))
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--top", type=int_at_least(1), default=12)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True, help="snapshot pickle to write (open it at pytorch.org/memory_viz)")
     args = parser.parse_args(argv)

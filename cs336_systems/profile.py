@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems import amp, benchmarking, flops, workloads
+from cs336_systems.cli_args import int_at_least
 from cs336_systems import attention as attention_registry
 from cs336_systems.model import SIZES
 from cs336_systems.model import config as model_config
@@ -364,9 +365,10 @@ def _attention(result: CaseResult) -> dict:
     ranges = result.summary.ranges
     missing = [n for n in ATTENTION_SUBSTEPS if n not in ranges]
     if missing:
+        advice = ("torch.compile fuses the naive attention's sub-steps, so their ranges are gone: run without "
+                  "--compile" if result.case.compile else "run with --attention naive")
         return {"available": False, "reason": (
-            f"attention {result.case.attention!r} has no {', '.join(map(repr, missing))} ranges; "
-            "run with --attention naive")}
+            f"attention {result.case.attention!r} has no {', '.join(map(repr, missing))} ranges; {advice}")}
     forwards = ranges["forward"].occurrences
     cfg = model_config(result.case.size, vocab_size=result.case.vocab_size, context_length=result.case.context)
     b, t = result.case.batch_size, result.case.context
@@ -476,38 +478,25 @@ def profile(
 
 
 # ---- CLI -------------------------------------------------------------------------------------
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cs336_systems.profile", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--size", choices=list(SIZES), required=True)
-    parser.add_argument("--context", type=_int_at_least(1), required=True)
-    parser.add_argument("--batch-size", type=_int_at_least(1), default=4)
+    parser.add_argument("--context", type=int_at_least(1), required=True)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=4)
     parser.add_argument("--mode", choices=workloads.MODES, default="train-step")
     parser.add_argument("--precision", choices=list(amp.PRECISIONS), default="fp32")
     parser.add_argument("--attention", choices=attention_registry.names(), default="naive",
                         help="naive (default) has the attention sub-step ranges the softmax answer needs")
     parser.add_argument("--compile", action="store_true", help="compile each block (workloads.compile_blocks)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--vocab-size", type=_int_at_least(1), default=10_000)
-    parser.add_argument("--warmup", type=_int_at_least(0), default=3)
-    parser.add_argument("--steps", type=_int_at_least(1), default=3, help="profiled steps")
-    parser.add_argument("--rounds", type=_int_at_least(0), default=10, help="harness rounds (0: no harness)")
-    parser.add_argument("--top-k", type=_int_at_least(1), default=10)
+    parser.add_argument("--vocab-size", type=int_at_least(1), default=10_000)
+    parser.add_argument("--warmup", type=int_at_least(0), default=3)
+    parser.add_argument("--steps", type=int_at_least(1), default=3, help="profiled steps")
+    parser.add_argument("--rounds", type=int_at_least(0), default=10, help="harness rounds (0: no harness)")
+    parser.add_argument("--top-k", type=int_at_least(1), default=10)
     parser.add_argument("--no-forward-case", action="store_true",
                         help="do not also profile the forward-only case when --mode is not forward")
     parser.add_argument("--profiler", choices=("torch", "nvtx"), default="torch",

@@ -324,6 +324,13 @@ def test_attention_answer_needs_the_naive_sub_step_ranges(cli_run):
     att = prof_cli.answers({"forward": sdpa_like}, "forward")["attention"]
     assert not att["available"] and "'sdpa' has no" in att["reason"] and "--attention naive" in att["reason"]
     assert "- Attention: n/a" in prof_cli._answer_lines({**report.answers, "attention": att})[-1]
+    # naive, but compiled: the advice is to drop --compile, not to pick the attention already picked
+    compiled = prof_cli.CaseResult(
+        prof_cli.Case(**{**vars(result.case), "compile": True}), result.warmup, result.steps,
+        profiling.KernelSummary("cpu", ranges), result.harness,
+    )
+    att = prof_cli.answers({"forward": compiled}, "forward")["attention"]
+    assert not att["available"] and "without --compile" in att["reason"] and "--attention naive" not in att["reason"]
 
 
 def test_out_of_memory_becomes_a_message(monkeypatch, capsys):

@@ -448,6 +448,11 @@ def test_record_snapshot_on_cpu_is_a_clear_runtime_error(tmp_path):
         memory.main(["--size", "2.7B", "--device", "cpu", "--out", str(tmp_path / "s.pickle")])
     with pytest.raises(ValueError, match="does not exist"):
         memory.main(["--size", "2.7B", "--out", str(tmp_path / "missing" / "s.pickle")])
+    # Bad counts are usage errors (exit 2, the argument named), also before any model is built.
+    for flag, value in (("--rounds", "0"), ("--warmup", "-1"), ("--top", "0"), ("--context", "x")):
+        with pytest.raises(SystemExit) as exc:
+            memory.main(["--size", "2.7B", flag, value, "--device", "cpu", "--out", str(tmp_path / "s.pickle")])
+        assert exc.value.code == 2, flag
 
 
 def test_residual_stream_bytes():
