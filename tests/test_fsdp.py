@@ -239,6 +239,12 @@ def _accumulation_case(rank: int, world: int) -> dict:
     for micro in x[rank * 4: (rank + 1) * 4].split(2):
         (F.mse_loss(fsdp(micro), torch.zeros(2, 3)) / 2).backward()  # the next forward settles this backward
     fsdp.finish_gradient_synchronization()
+    return dict(grad_err=_grad_error(fsdp, ref, rank, world), num_gathers=fsdp.num_gathers,
+                num_reduce_scatters=fsdp.num_reduce_scatters)
+
+
+def _grad_error(fsdp: FSDP, ref: nn.Module, rank: int, world: int) -> float:
+    """Largest relative error of the finished gradients against the unsharded model's (its slice of them)."""
     sharded = set(fsdp.sharded_parameter_names)
     err = 0.0
     for name, p in fsdp.module.named_parameters():
@@ -246,7 +252,7 @@ def _accumulation_case(rank: int, world: int) -> dict:
         if name in sharded:
             expected = _padded_slice(expected, rank, world)
         err = max(err, _rel_err(p.grad, expected))
-    return dict(grad_err=err, num_gathers=fsdp.num_gathers, num_reduce_scatters=fsdp.num_reduce_scatters)
+    return err
 
 
 def _two_backwards_case(rank: int, world: int) -> dict:
@@ -274,14 +280,7 @@ def _two_backwards_case(rank: int, world: int) -> dict:
             loss.backward(retain_graph=True)
             loss.backward()
         fsdp.finish_gradient_synchronization()
-        sharded = set(fsdp.sharded_parameter_names)
-        err = 0.0
-        for name, p in fsdp.module.named_parameters():
-            expected = dict(ref.named_parameters())[name].grad
-            if name in sharded:
-                expected = _padded_slice(expected, rank, world)
-            err = max(err, _rel_err(p.grad, expected))
-        out[pattern] = err
+        out[pattern] = _grad_error(fsdp, ref, rank, world)
     return out
 
 
