@@ -123,8 +123,11 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
 
 
 def _key(entry: dict) -> tuple:
-    return (entry.get("test"),) + tuple(
-        entry.get(f) for f in (*LM_FIELDS, "checkpoint", "warmup", *ATTENTION_FIELDS, *DIST_FIELDS)
+    # Warm-up identifies a case only in the warm-up study (its axis); elsewhere it is how the case was
+    # measured, so a re-run with another warm-up replaces the earlier run's entry instead of sitting beside it.
+    warmup = entry.get("warmup") if entry.get("test") == "test_warmup_study" else None
+    return (entry.get("test"), warmup) + tuple(
+        entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )
 
 
@@ -559,7 +562,7 @@ def _same_machine(run_a: str, run_b: str, by_run: dict[str, dict]) -> bool:
 def _ratio(num: float | None, den: float | None, num_entry: dict | None, den_entry: dict | None,
            by_run: dict[str, dict]) -> tuple[float | None, bool]:
     """(num / den, taken across runs?): same run, else another run of the same machine facts, else None."""
-    if not num or not den or num_entry is None or den_entry is None:
+    if num is None or not den or num_entry is None or den_entry is None:  # num 0: a fully hidden sync
         return None, False
     if num_entry.get("run") == den_entry.get("run"):
         return num / den, False
@@ -754,9 +757,9 @@ def data_parallel_tables(entries: list[dict], machines: list[dict] | None = None
                    + _targets_text(group))
     if not out:
         return ""
-    note = ("sync ms: time inside finish_gradient_synchronization() after backward (the last measured "
-            "round; for naive/flat all of the communication, for the overlapping wrappers what backward did "
-            "not hide). naive comm hidden = 1 − sync ms ÷ naive's sync ms. "
+    note = ("sync ms: time inside finish_gradient_synchronization() after backward (median over the measured "
+            "rounds of the slowest rank; for naive/flat all of the communication, for the overlapping wrappers "
+            "what backward did not hide). naive comm hidden = 1 − sync ms ÷ naive's sync ms. "
             f"{CROSS_RUN_MARK}: the denominator comes from another saved run with the same machine facts.")
     return "\n\n".join(out) + "\n\n" + note
 

@@ -357,6 +357,19 @@ def test_data_parallel_table_ratios_hidden_fraction_and_targets_both_ways(tmp_pa
     assert targets["individual"] == (0.8, True)
 
 
+def test_data_parallel_rerun_with_another_warmup_replaces_and_zero_sync_is_fully_hidden(tmp_path):
+    old = _dist_run(tmp_path, "old.json", _ddp_group("bf16", torch_ddp=100.0, best_bucket=98.0, naive_sync=40.0,
+                                                     individual_sync=8.0))
+    rerun = _ddp_group("bf16", torch_ddp=50.0, best_bucket=45.0, naive_sync=20.0, individual_sync=0.0)
+    for bench in rerun:
+        bench["extra_info"]["warmup"] = 5  # measured differently, same cases
+    text = report.render([old, _dist_run(tmp_path, "new.json", rerun)])
+    table = _section(text, "### Data parallel: tiny, context 32, per-rank batch 2, bf16, 2 ranks (nccl)")
+    assert table.count("| torch-ddp |") == 1 and "| torch-ddp | 50.00 | 1.000x |" in table
+    assert "| individual | 110.00 | 2.200x | 1.375x | 0.00 | 0.0 | 100.0% | 30 |" in table
+    assert "(1 − sync ms ÷ naive sync ms): 100.0% -> **met**" in table
+
+
 def test_data_parallel_targets_and_ratios_across_runs(tmp_path):
     ddp = _dist_run(tmp_path, "ddp.json", [_dp("none", 80.0), _dp("torch-ddp", 100.0)])
     bucketed = _dist_run(tmp_path, "b.json", [_dp("bucketed", 90.0, bucket=25, sync_ms=1.0),

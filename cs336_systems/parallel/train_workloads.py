@@ -22,7 +22,8 @@ of random tokens (different on every rank) and the model built from one seed:
 A step is: zero_grad(set_to_none=True), forward + cross-entropy under autocast, backward,
 ``finish_gradient_synchronization()`` where the wrapper has one, optimizer.step().
 
-Recorded per step (the last measured round's values are what the benchmark keeps):
+Recorded per step (the benchmark keeps, of ``sync_s``, the median over the measured rounds of the slowest
+rank's value, and of ``memory`` the last measured round's, maximum over ranks):
   ``sync_s``  time inside finish_gradient_synchronization() with the wrapper's ``record_timing`` (on CUDA:
               events on the compute stream, no host synchronization in the step): from the end of
               backward's kernels to the end of synchronization, so for naive/flat it is the
