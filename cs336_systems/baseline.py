@@ -95,9 +95,9 @@ def gpu_groups(profile: str = "gpu") -> list[str]:
     m = matrix.load(matrix.DEFAULT_PATH)
     groups: list[str] = []
     for suite in m.suites:
-        for case in m.cases(suite, profile):
-            if case["group"] not in groups:
-                groups.append(case["group"])
+        for grid in m.suites[suite].get(profile, []):  # grids, not cases: a group may only repeat others' cases
+            if grid.get("group") is not None and grid["group"] not in groups:
+                groups.append(grid["group"])
     return groups
 
 

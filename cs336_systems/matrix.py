@@ -305,14 +305,21 @@ class Matrix:
     descriptions: dict[str, str]
     gates: list[dict]
 
-    def cases(self, suite: str, profile: str) -> list[dict]:
-        """Expanded cases of a suite under a profile: one dict per case, singular field names."""
+    def cases(self, suite: str, profile: str, groups: set[str] | None = None) -> list[dict]:
+        """Expanded cases of a suite under a profile: one dict per case, singular field names.
+
+        A case listed by several grids is kept once, with the first grid's ``group``.  ``groups``: only the
+        grids of these groups are expanded, before duplicates are merged, so a case that an earlier grid of
+        another group also lists still runs when its own group is selected (a group's same-run baselines).
+        """
         if suite not in self.suites:
             raise ValueError(f"unknown suite {suite!r}; valid: {', '.join(self.suites)}")
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
         seen: dict[tuple, dict] = {}
         for grid in self.suites[suite].get(profile, []):
+            if groups is not None and grid.get("group") not in groups:
+                continue
             axes = [name for name in grid if isinstance(grid[name], list)]
             scalars = {name: value for name, value in grid.items() if not isinstance(value, list)}
             for values in itertools.product(*(grid[name] for name in axes)):

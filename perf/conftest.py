@@ -106,13 +106,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     suite = marker.args[0]
     config = metafunc.config
     # The suite travels with the case into extra_info: gates and reports select cases by it.
-    cases = [{**c, "suite": suite} for c in _load_matrix(config).cases(suite, _profile(config))]
     groups = config.getoption("--perf-group")
-    if groups is not None:
-        # comma-separated: groups run in one session share its ratios (e.g. ddp-bf16,sharding-bf16 puts the
-        # sharding variants and torch DDP in the same run)
-        wanted = {g.strip() for g in groups.split(",") if g.strip()}
-        cases = [c for c in cases if c.get("group") in wanted]
+    # comma-separated: groups run in one session share its ratios (e.g. ddp-bf16,sharding-bf16 puts the
+    # sharding variants and torch DDP in the same run); selected before duplicates across groups are merged
+    wanted = None if groups is None else {g.strip() for g in groups.split(",") if g.strip()}
+    cases = [{**c, "suite": suite} for c in _load_matrix(config).cases(suite, _profile(config), wanted)]
     metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
 
 

@@ -55,6 +55,18 @@ def test_cases_are_the_product_without_duplicates():
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
 
+def test_a_case_shared_by_two_groups_runs_when_either_group_is_selected():
+    base = {"sizes": ["tiny"], "contexts": [8], "batch_sizes": [1], "modes": ["forward"], "precisions": ["fp32"],
+            "compile": [False], "warmup": 1, "rounds": 2}
+    first = {**base, "contexts": [8, 16], "group": "sweep"}
+    second = {**base, "group": "baseline"}  # repeats the sweep's context-8 case as its own same-run baseline
+    m = matrix.parse({"suites": {"end_to_end": {"profiles": {"cpu": [first, second]}}}})
+    assert [(c["context"], c["group"]) for c in m.cases("end_to_end", "cpu")] == [(8, "sweep"), (16, "sweep")]
+    assert [(c["context"], c["group"]) for c in m.cases("end_to_end", "cpu", {"baseline"})] == [(8, "baseline")]
+    assert len(m.cases("end_to_end", "cpu", {"sweep", "baseline"})) == 2
+    assert m.cases("end_to_end", "cpu", {"nope"}) == []
+
+
 def _grid(data):
     return data["suites"]["end_to_end"]["profiles"]["gpu"][1]
 
