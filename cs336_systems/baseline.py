@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from cs336_systems import machine, matrix
+from cs336_systems.run_files import read_run
 
 BASELINE_NAME = "0001_baseline.json"
 
@@ -76,17 +77,15 @@ def storage_machine_id(machine_info: dict) -> str:
 
 def write_baseline(runs_paths: list[Path], storage: Path) -> Path:
     """Merge the saved runs into ``storage/<machine_id>/0001_baseline.json`` (replacing it); return the path."""
-    runs = []
-    for path in runs_paths:
-        try:
-            runs.append(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable pytest-benchmark JSON ({exc})") from exc
+    runs = [read_run(path) for path in runs_paths]
     merged = merge_runs(runs, [str(p) for p in runs_paths])
     machine_id = storage_machine_id(merged["machine_info"])
     target = Path(storage) / machine_id / BASELINE_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(merged, indent=1) + "\n")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(merged, indent=1) + "\n")
+    except OSError as exc:
+        raise ValueError(f"cannot write the baseline under --storage {storage}: {exc}") from None
     return target
 
 

@@ -25,11 +25,10 @@ not as a pass or a failure.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from cs336_systems import matrix
+from cs336_systems.run_files import read_run
 
 # Case fields that describe how a case was measured, not what: never used to pair cases.
 BOOKKEEPING = {"group", "warmup", "rounds", "suite", "device", "status"}
@@ -84,8 +83,12 @@ def evaluate(gates: list[dict], entries: list[dict], case_fields: set[str]) -> l
             if base is None:
                 continue
             found = True
-            ratio = entry["stats"][statistic] / base["stats"][statistic]
             label = ", ".join(f"{f}={v}" for f, v in zip(shared, key) if v is not None)
+            num, den = entry["stats"].get(statistic), base["stats"].get(statistic)
+            if not isinstance(num, (int, float)) or not isinstance(den, (int, float)) or den <= 0:
+                raise ValueError(f"gate {gate['name']!r} ({label}): {statistic} is {num!r} / {den!r}; "
+                                 "a ratio needs two times and a positive denominator")
+            ratio = num / den
             checks.append(Check(gate["name"], label, ratio, gate["max_ratio"]))
         if not found:
             checks.append(Check(gate["name"], "not measured", None, gate["max_ratio"]))
@@ -121,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="a saved pytest-benchmark JSON file")
     parser.add_argument("--matrix", default=str(matrix.DEFAULT_PATH), help="benchmarks.json with the gates")
     args = parser.parse_args(argv)
-    m = matrix.load(args.matrix)
     try:
-        checks = evaluate(m.gates, entries_from_json(json.loads(Path(args.run).read_text())), case_fields_of(m))
-    except ValueError as exc:
+        m = matrix.load(args.matrix)
+        checks = evaluate(m.gates, entries_from_json(read_run(args.run)), case_fields_of(m))
+    except (ValueError, OSError) as exc:  # unreadable run or matrix, an ambiguous gate, a zero statistic
         print(f"gates: {exc}")
         return 2
     print(table(checks))

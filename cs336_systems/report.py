@@ -65,6 +65,7 @@ from pathlib import Path
 
 from cs336_systems import accounting
 from cs336_systems.machine import COMPARABLE_FIELDS
+from cs336_systems.run_files import RunFileError, read_run
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
 ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
@@ -89,8 +90,8 @@ def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
     entries: list[dict] = []
     machines = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
-        machines.append(data.get("machine_info", {}).get("cs336_systems", {}) | {"file": str(path)})
+        data = read_run(path)
+        machines.append(data["machine_info"]["cs336_systems"] | {"file": str(path)})
         for bench in data.get("benchmarks", []):
             entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path)}
             entry["status"] = entry.get("status", "ok")
@@ -1018,11 +1019,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = Path(args.output).parent if args.output else Path.cwd()
             text = render(args.runs, plots_dir=args.plots, link_base=base)
-    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, FileNotFoundError) as err:
+    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError, UnicodeDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as err:
+            print(f"error: cannot write {args.output}: {err}", file=sys.stderr)
+            return 2
     else:
         print(text, end="")
     return 0

@@ -8,10 +8,10 @@ transfer between machines.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from cs336_systems.machine import COMPARABLE_FIELDS
+from cs336_systems.run_files import read_run
 from cs336_systems.report import (
     _fmt_duration,
     _table,
@@ -31,7 +31,7 @@ def load_cases(path: str | Path) -> tuple[dict, dict[str, dict]]:
     Cases are keyed by pytest's node id (``fullname``), which names the test file, function and
     parameters, so the same case pairs up across runs; a later duplicate replaces an earlier one.
     """
-    data = json.loads(Path(path).read_text())
+    data = read_run(path)
     cases: dict[str, dict] = {}
     for bench in data.get("benchmarks", []):
         key = bench.get("fullname") or bench.get("name", "")

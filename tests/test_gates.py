@@ -90,7 +90,7 @@ def test_gate_validation_names_unknown_fields():
 
 def test_cli_exit_code(tmp_path):
     (tmp_path / "benchmarks.json").write_text(json.dumps(_matrix_with(GATE)))
-    run = {"benchmarks": [
+    run = {"machine_info": {"cs336_systems": {"gpu_name": "NVIDIA H100 80GB HBM3"}}, "benchmarks": [
         {"name": "a", "extra_info": {k: v for k, v in e.items() if k != "stats"} | {"status": "ok"},
          "stats": e["stats"]}
         for e in (_entry("flash-triton", "forward-backward", 5.0, compile_=True),
@@ -107,3 +107,22 @@ def test_cli_exit_code(tmp_path):
     run["benchmarks"].append(twin)
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert gates.main(args) == 2  # ambiguous pairing: an error, not a verdict
+    run["benchmarks"].pop()
+    run["benchmarks"][1]["stats"]["median"] = 0.0
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert gates.main(args) == 2  # no ratio to a zero time
+
+
+def test_cli_refuses_what_is_not_a_run_of_this_project(tmp_path, capsys):
+    """A CI gate fed the wrong file must not pass with every gate "not measured"."""
+    matrix_args = ["--matrix", str(ROOT / "benchmarks.json")]
+    for name, content in (("empty.json", ""), ("list.json", "[]"), ("object.json", "{}"),
+                          ("foreign.json", json.dumps({"benchmarks": [], "machine_info": {"node": "x"}}))):
+        (tmp_path / name).write_text(content)
+        assert gates.main([str(tmp_path / name), *matrix_args]) == 2, name
+    assert gates.main([str(tmp_path / "missing.json"), *matrix_args]) == 2
+    assert gates.main([str(tmp_path), *matrix_args]) == 2  # a directory
+    assert gates.main([str(tmp_path / "foreign.json"), "--matrix", str(tmp_path / "object.json")]) == 2
+    out = capsys.readouterr().out
+    assert "not saved by this project's perf suite" in out and "not a pytest-benchmark run" in out
+    assert "Traceback" not in out

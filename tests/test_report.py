@@ -54,6 +54,22 @@ def test_later_runs_override_earlier_and_cli_writes_file(tmp_path):
     assert "20.00 ± 0.20" in text and "10.00 ± 0.10" not in text
 
 
+def test_cli_bad_inputs_and_outputs_are_messages_not_tracebacks(tmp_path, capsys):
+    good = _run(tmp_path, "good.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])
+    bad = {"empty.json": "", "list.json": "[]", "object.json": "{}", "latin1.json": b"\xff\xfe",
+           "foreign.json": json.dumps({"benchmarks": [], "machine_info": {"node": "x"}})}
+    for name, content in bad.items():
+        path = tmp_path / name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+        assert report.main([str(path)]) == 2, name
+        assert report.main(["--compare", str(good), str(path)]) == 2, name
+    assert report.main([str(tmp_path)]) == 2  # a directory
+    assert report.main([str(good), "-o", str(tmp_path / "no-such-dir" / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable pytest-benchmark JSON" in err and "not saved by this project's perf suite" in err
+    assert "cannot write" in err and "Traceback" not in err
+
+
 def test_warmup_study_table(tmp_path):
     benches = []
     for warmup, median in ((0, 0.5), (5, 0.1)):

@@ -1,0 +1,25 @@
+"""Reading saved pytest-benchmark runs of this project's perf suite, with errors a CLI can print as is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class RunFileError(ValueError):
+    """A file that cannot be read as a saved run of this project's perf suite; the message names it."""
+
+
+def read_run(path: str | Path) -> dict:
+    """The decoded JSON of a saved run: an object with a "benchmarks" list and ``machine_info.cs336_systems``
+    (what ``perf/conftest.py`` records), else RunFileError saying which file and why."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunFileError(f"{path}: not a readable pytest-benchmark JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise RunFileError(f"{path}: not a pytest-benchmark run (expected an object with a 'benchmarks' list)")
+    facts = data.get("machine_info")
+    if not isinstance(facts, dict) or not isinstance(facts.get("cs336_systems"), dict):
+        raise RunFileError(f"{path}: no machine_info.cs336_systems (not saved by this project's perf suite)")
+    return data
