@@ -502,6 +502,7 @@ def residual_stream_bytes(batch: int, context: int, d_model: int, dtype: torch.d
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cs336_systems import amp, workloads
+    from cs336_systems import attention as attention_registry
     from cs336_systems.cli_args import int_at_least
     from cs336_systems.model import SIZES, config
 
@@ -515,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", default="forward", choices=list(workloads.MODES))
     parser.add_argument("--precision", default="fp32", choices=list(amp.PRECISIONS))
     # The handout's memory questions are about its own (naive) attention, whose softmax is visible.
-    parser.add_argument("--attention", default="naive")
+    parser.add_argument("--attention", default="naive", choices=attention_registry.names())
     parser.add_argument("--warmup", type=int_at_least(0), default=2)
     parser.add_argument("--rounds", type=int_at_least(1), default=1)
     parser.add_argument("--stacks", default="python", choices=list(STACKS))
@@ -524,9 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="snapshot pickle to write (open it at pytorch.org/memory_viz)")
     args = parser.parse_args(argv)
 
-    # Fail before building a 2.7B model.
-    _check_output_path(args.out)
-    _cuda_index(args.device)
+    # Fail before building a 2.7B model, with a usage error rather than a traceback.
+    try:
+        _check_output_path(args.out)
+        _cuda_index(args.device)
+    except (ValueError, RuntimeError) as exc:  # torch.device("bogus") raises RuntimeError too
+        parser.error(str(exc))
     step = workloads.lm_step(
         size=args.size, context=args.context, batch_size=args.batch_size, mode=args.mode,
         precision=args.precision, attention=args.attention, device=args.device,

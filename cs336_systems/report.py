@@ -1019,7 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = Path(args.output).parent if args.output else Path.cwd()
             text = render(args.runs, plots_dir=args.plots, link_base=base)
-    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError, UnicodeDecodeError) as err:
+    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError,
+            UnicodeDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.output:

@@ -438,16 +438,19 @@ def test_record_snapshot_argument_errors(tmp_path):
         memory.record_snapshot(None, **good)
 
 
-def test_record_snapshot_on_cpu_is_a_clear_runtime_error(tmp_path):
+def test_record_snapshot_on_cpu_is_a_clear_runtime_error(tmp_path, capsys):
     calls = []
     with pytest.raises(RuntimeError, match="not a CUDA device"):
         memory.record_snapshot(lambda: calls.append(1), warmup=1, rounds=1, path=tmp_path / "s.pickle", device="cpu")
     assert calls == [] and not (tmp_path / "s.pickle").exists()
-    # The CLI refuses before it builds the model.
-    with pytest.raises(RuntimeError, match="not a CUDA device"):
-        memory.main(["--size", "2.7B", "--device", "cpu", "--out", str(tmp_path / "s.pickle")])
-    with pytest.raises(ValueError, match="does not exist"):
-        memory.main(["--size", "2.7B", "--out", str(tmp_path / "missing" / "s.pickle")])
+    # The CLI refuses before it builds the model: usage errors (exit 2) naming the problem.
+    for argv, message in ((["--device", "cpu"], "not a CUDA device"), (["--device", "bogus"], "bogus"),
+                          (["--out", str(tmp_path / "missing" / "s.pickle")], "does not exist"),
+                          (["--out", str(tmp_path)], "is a directory")):
+        argv = ["--size", "2.7B", "--out", str(tmp_path / "s.pickle"), *argv]
+        with pytest.raises(SystemExit) as exc:
+            memory.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
     # Bad counts are usage errors (exit 2, the argument named), also before any model is built.
     for flag, value in (("--rounds", "0"), ("--warmup", "-1"), ("--top", "0"), ("--context", "x")):
         with pytest.raises(SystemExit) as exc:
