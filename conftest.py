@@ -21,6 +21,8 @@ pytest-benchmark integration
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 
 import torch
@@ -39,6 +41,16 @@ from cs336_systems.matrix import PROFILES
 pytest_plugins = ["pytester"]
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cs336_systems")
     group.addoption(
@@ -46,7 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
     )
     group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
-    group.addoption("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU")
+    group.addoption("--peak-tflops", type=_positive_float, default=None, help="peak TFLOP/s for MFU")
     group.addoption(
         "--compare-any-machine", action="store_true",
         help="allow --benchmark-compare against a run from another GPU or software version (warn only)",

@@ -129,6 +129,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
     config.stash[OOM_KEY] = []
     config.stash[RESULTS_KEY] = []
+    _check_perf_groups(config)
+
+
+def _check_perf_groups(config: pytest.Config) -> None:
+    """--perf-group names must be groups of the selected profile: a typo would otherwise run nothing and pass."""
+    groups = config.getoption("--perf-group")
+    if groups is None:
+        return
+    wanted = {g.strip() for g in groups.split(",") if g.strip()}
+    profile = _profile(config)
+    known = {grid.get("group") for suite in _load_matrix(config).suites.values() for grid in suite.get(profile, [])}
+    unknown = sorted(wanted - known)
+    if not wanted or unknown:
+        raise pytest.UsageError(
+            f"--perf-group={groups!r}: {'no group named' if not wanted else f'unknown group(s) {unknown}'} in "
+            f"profile {profile!r}; its groups: {', '.join(sorted(g for g in known if g))}")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

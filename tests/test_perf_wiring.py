@@ -97,13 +97,19 @@ def test_bench_fixture_records_cases_rates_and_ooms(project):
 
 
 def test_perf_group_filters_cases(project):
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=nope", "-k", "test_case", "-p", "no:cacheprovider")
-    result.assert_outcomes(skipped=1)  # empty parameter set
     result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     # several groups, comma-separated, run in one session
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=nope, g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1, g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+    # a group the profile does not have is a usage error, not an empty run that passes
+    for groups in ("nope", "nope, g1", ","):
+        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", f"--perf-group={groups}", "-p", "no:cacheprovider")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, groups
+        assert "its groups: g1" in result.stderr.str(), groups
+    for peak in ("0", "-1", "nan", "x"):
+        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", f"--peak-tflops={peak}", "-p", "no:cacheprovider")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, peak
 
 
 def test_peak_override_gives_mfu(project):
