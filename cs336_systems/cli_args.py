@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -20,3 +22,23 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why a file cannot be written at ``path`` (None if it can), checked before a long run, not after it.
+
+    Opens it for appending (creating it, then removing what this check created), so permissions, missing
+    folders and pseudo-filesystems all show up now.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a directory"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    if not existed:
+        path.unlink()
+    return None

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems import amp, benchmarking, flops, workloads
-from cs336_systems.cli_args import int_at_least
+from cs336_systems.cli_args import int_at_least, unwritable_reason
 from cs336_systems import attention as attention_registry
 from cs336_systems.model import SIZES
 from cs336_systems.model import config as model_config
@@ -243,6 +243,8 @@ def profile_case(
     summary = summarize_profile(prof, device=case.kind, top_k=top_k)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+        if not Path(trace).is_file():  # the exporter logs a failure to open the file and returns
+            raise OSError(f"the Chrome trace could not be written to {trace}")
     del step, prof
     benchmarking.free_memory(case.device)
     harness = None
@@ -522,6 +524,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--attention {case.attention} is not available on {case.device}")
     if case.kind == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {case.device}: CUDA is not available")
+    for flag, path in (("--json", args.json), ("--md", args.md), ("--trace", args.trace)):
+        reason = None if path is None else unwritable_reason(path)
+        if reason is not None:  # now, not after profiling
+            parser.error(f"{flag}: {reason}")
     try:
         if args.profiler == "nvtx":
             run_ranges(PhasedStep(case), warmup=args.warmup, steps=args.steps)

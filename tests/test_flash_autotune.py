@@ -252,3 +252,10 @@ def test_close_rejects_wrong_or_nonfinite_outputs():
     bad[0, 0] = float("nan")
     assert not flash_autotune._close(bad, ref)
     assert flash_autotune._close(ref.bfloat16(), ref)
+
+
+@pytest.mark.parametrize("shape", ["16,16384", "0,128,64", "1,-5,64", "1,128,48", "a,b,c"])
+def test_cli_rejects_bad_shapes_before_anything_runs(shape, capsys):
+    with pytest.raises(SystemExit) as exc:
+        flash_autotune.main(["--shape", shape])
+    assert exc.value.code == 2 and "--shape" in capsys.readouterr().err

@@ -290,7 +290,8 @@ def test_nvtx_only_mode_runs_the_ranges_without_profiler(capsys):
     "flag, value, message",
     [("--size", "huge", "invalid choice: 'huge'"), ("--mode", "inference", "invalid choice: 'inference'"),
      ("--precision", "fp8", "invalid choice: 'fp8'"), ("--context", "0", "must be >= 1, got 0"),
-     ("--device", "tpu", "device must be cpu or cuda")],
+     ("--device", "tpu", "device must be cpu or cuda"), ("--md", "/proc/report.md", "--md: cannot write"),
+     ("--json", "/", "--json: / is a directory"), ("--trace", "/no/such/dir/t.json", "--trace: cannot write")],
 )
 def test_cli_rejects_bad_arguments(flag, value, message, capsys):
     argv = {"--size": "tiny", "--context": "8", "--mode": "forward", "--precision": "fp32", "--device": "cpu"}

@@ -44,6 +44,7 @@ import triton
 from cs336_systems.attention import flash_configs as configs
 from cs336_systems.attention import flash_launch as launch
 from cs336_systems.attention.flash_configs import KERNELS, ShapeKey, TileConfig
+from cs336_systems.cli_args import unwritable_reason
 
 AUTOTUNE_ENV = "CS336_FLASH_AUTOTUNE"
 CACHE_ENV = "CS336_FLASH_CACHE"
@@ -293,6 +294,9 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
         bh, n, d = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shape wants BH,N,D (e.g. 16,16384,64); got {text!r}") from None
+    if bh < 1 or n < 1 or d not in configs.HEAD_DIMS:
+        raise argparse.ArgumentTypeError(
+            f"--shape {text!r}: BH and N must be >= 1 and D one of {configs.HEAD_DIMS}")
     return bh, n, d
 
 
@@ -307,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("autotuning times kernels on a CUDA device; none is available")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        reason = unwritable_reason(args.json)
+        if reason is not None:  # before tuning, not after it
+            parser.error(f"--json: {reason}")
     results = []
     for dtype_name in args.dtype or ["bf16"]:
         for bh, n, d in args.shape:
@@ -315,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{res.key.text()}: {res.as_json()['chosen']} ms {best} ({res.seconds:.1f} s)", flush=True)
             results.append(res.as_json())
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": device_id(torch.device("cuda")), "results": results}, indent=1))
     return 0
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 KERNELS = ("fwd", "dkdv", "dq")
+HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
 

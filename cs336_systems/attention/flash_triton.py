@@ -32,9 +32,10 @@ from torch.library import triton_op, wrap_triton
 from cs336_systems.attention import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.flash_autotune import interpreter_active, select
+from cs336_systems.attention.flash_configs import HEAD_DIMS
 from cs336_systems.attention.flash_launch import direct
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = HEAD_DIMS
 
 
 def available(device: torch.device) -> bool:
