@@ -342,11 +342,27 @@ def _overlap_cases(rank: int, world: int) -> dict:
     out["backward_after_collect"] = "ok"
 
     model.zero_grad()
+    twin = copy.deepcopy(model)  # same parameters; trained without the failed backward below
     opt = _sharded(model, "sgd", "zero1", buckets="per-tensor")
+    twin_opt = _sharded(twin, "sgd", "zero1", buckets="per-tensor")
     _local_loss(model, 1, rank).backward()
     out["second_backward"] = _error_message(lambda: _local_loss(model, 1, rank).backward())
-    # the hook raised inside the second backward; ranks recover by starting over from zero_grad + one backward
-    del opt
+    # the hook raised inside the second backward; ranks recover with zero_grad, then one backward and a step
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        _local_loss(m, 2, rank).backward()
+        o.step()
+    out["recovered_diff"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters()))
+    # state_dict round trip: opt.state follows the loaded state (and later steps)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    opt.load_state_dict(torch.load(saved, weights_only=True))
+    opt.zero_grad()
+    _local_loss(model, 3, rank).backward()
+    opt.step()
+    out["state_is_inner"] = opt.state is opt._inner.state
+    del opt, twin_opt
     gc.collect()
 
     # a frozen parameter inside a group: no hook, so its bucket waits for step(); unfrozen later, it gets one
@@ -523,6 +539,7 @@ def test_overlap_hooks_do_not_keep_the_optimizer_alive_and_reject_a_second_backw
         assert res["collected"] and res["backward_after_collect"] == "ok"
         second = res["second_backward"]
         assert second.startswith("RuntimeError") and "second gradient" in second and "parameter" in second, second
+        assert res["recovered_diff"] == 0.0 and res["state_is_inner"]
         assert res["frozen_counts"] == [0, 0, 1], res["frozen_counts"]
 
 

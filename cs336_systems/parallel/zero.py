@@ -57,6 +57,13 @@ shard, so state memory per rank is ~1/world_size of the unsharded optimizer's.  
     released then (``p.grad`` is None once its bucket is packed, so after backward and after ``step()``):
     one full-size gradient copy is never alive beside the packed buckets, and clipping or
     ``GradScaler.unscale_`` after backward have nothing to act on (they would not have been seen anyway).
+    Two consequences of the release: ``zero_grad(set_to_none=False)`` cannot leave zero gradients behind, so
+    a parameter that no rank uses in a step is skipped by the inner optimizer (no weight decay, no momentum
+    step) where an unsharded one would apply them to a zero gradient; and with two overlapped optimizers on
+    one process group, a parameter used on some ranks only makes its bucket launch in backward on some
+    ranks and in ``step()`` on others, so the two optimizers' collectives interleave differently across
+    ranks: give each optimizer its own process group, or use ``overlap=False``, in that case.  A backward
+    that raised leaves launched buckets behind: ``zero_grad()`` waits for them and starts the step over.
     The hooks hold the optimizer weakly (a hook on a parameter lives in C++, beyond Python's cycle collector)
     and are removed when the optimizer is collected.
 
@@ -696,7 +703,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _finish_gather(*pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model parameters' gradients (and the shard gradients zero1 keeps after a step)."""
+        """Clear the model parameters' gradients (and the shard gradients zero1 keeps after a step).
+
+        With overlap it also abandons what a backward since the last step launched (after waiting for those
+        reduce-scatters, which every rank issued): the way to recover from a backward that raised.
+        """
+        if self._in_flight or self._ready:
+            for pending in self._in_flight:
+                pending.wait()
+            self._reset_launches()
         super().zero_grad(set_to_none=set_to_none)
         for bucket in self._buckets:
             for _, _, _, piece in bucket.pieces:
@@ -797,6 +812,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for outer, saved in zip(self.param_groups, groups):
             outer.update(_hyperparameters(saved))
         self._inner.load_state_dict(inner)
+        self.state = self._inner.state  # torch's load_state_dict replaced the inner state dict
         self._consolidated = None
 
     def _slice_full(self, full: dict[str, Any]) -> dict[str, Any]:
