@@ -33,7 +33,7 @@ def unwritable_reason(path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{path} is a directory"
-    existed = path.exists()
+    existed = os.path.lexists(path)  # a dangling symlink exists: never remove it
     try:
         with open(path, "a"):
             pass

@@ -203,7 +203,7 @@ def _torch_ddp_run(rank: int, world_size: int, opt_name: str, set_to_none: bool,
     return _numpy_state(net)
 
 
-MISUSES = ("second_backward", "forward", "no_sync_forward", "no_sync_backward")
+MISUSES = ("second_backward", "forward", "no_sync_forward", "no_sync_backward", "no_sync_eval")
 
 
 def _misuse_messages(rank: int, world_size: int) -> dict[tuple[str, str], str | None]:
@@ -224,6 +224,9 @@ def _misuse_messages(rank: int, world_size: int) -> dict[tuple[str, str], str | 
                     wrapper(*_batch(2)[::2])
                 elif attempt == "no_sync_forward":
                     with wrapper.no_sync():
+                        wrapper(*_batch(2)[::2])
+                elif attempt == "no_sync_eval":  # makes no gradients: allowed
+                    with wrapper.no_sync(), torch.no_grad():
                         wrapper(*_batch(2)[::2])
                 else:
                     with wrapper.no_sync():
@@ -463,6 +466,7 @@ def test_misuse_raises_instead_of_hanging(jobs):
                 assert message[attempt] is not None, (kind, attempt, "nothing raised")
                 assert "finish_gradient_synchronization()" in message[attempt], (kind, attempt)
             assert "inside no_sync()" in message["no_sync_backward"]
+            assert message["no_sync_eval"] is None, message["no_sync_eval"]
 
 
 def test_tiny_lm_bucketed_matches_single_process(jobs):

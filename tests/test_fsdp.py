@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from cs336_systems import model as lm
 from cs336_systems.parallel.fsdp import FSDP
@@ -281,6 +282,24 @@ def _two_backwards_case(rank: int, world: int) -> dict:
             loss.backward()
         fsdp.finish_gradient_synchronization()
         out[pattern] = _grad_error(fsdp, ref, rank, world)
+    # The whole wrapper under checkpoint(): its forward is recomputed inside the backward, which must not
+    # drop the gathers that backward has prefetched (a recompute adds its own forward's gathers, no more).
+    gathers = {}
+    for whole in (False, True):
+        torch.manual_seed(1)
+        mlp = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+        ref = copy.deepcopy(mlp)
+        fsdp = FSDP(mlp)
+        F.mse_loss(ref(x), torch.zeros(len(x), 3)).backward()
+        for step in range(2):  # the second step runs with a plan, so the backward prefetches
+            fsdp.zero_grad()
+            fsdp.reset_counters()
+            run = (lambda t: checkpoint(fsdp, t, use_reentrant=False)) if whole else fsdp
+            F.mse_loss(run(mine), torch.zeros(4, 3)).backward()
+            fsdp.finish_gradient_synchronization()
+        gathers[whole] = fsdp.num_gathers
+        out[f"checkpoint-whole={whole}"] = _grad_error(fsdp, ref, rank, world)
+    out["gathers"] = gathers
     return out
 
 
@@ -416,6 +435,8 @@ def test_fsdp_matches_single_process(world, cases):
         assert acc["num_gathers"] == 2 * (3 + 2) and acc["num_reduce_scatters"] == 2 * 3, acc
         two = per_rank["two_backwards"]
         assert two["fwd-fwd-bwd-bwd"] <= FP32_TOL["grad"] and two["retain-graph"] <= FP32_TOL["grad"], two
+        assert two["checkpoint-whole=False"] <= FP32_TOL["grad"] and two["checkpoint-whole=True"] <= FP32_TOL["grad"]
+        assert two["gathers"][True] == two["gathers"][False] + 3, two  # + the recomputed forward's 3 layers
         recovery = per_rank["recovery"]
         assert recovery["raised"] and recovery["live_after_backward"] == 0, recovery
         assert recovery["fwd_err"] <= 1e-5, recovery

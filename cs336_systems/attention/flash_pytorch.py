@@ -34,6 +34,7 @@ above the diagonal are skipped (their probabilities would be exp(-1e6 - m) = 0 a
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -190,6 +191,13 @@ def _flash_backward(
     return dq * scale, dk, dv
 
 
+def _no_autocast(device_type: str):
+    """Autocast off for this device type (a no-op where autocast does not exist, e.g. meta tensors)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class FlashAttentionPytorch(torch.autograd.Function):
     """FlashAttention-2 with tiled PyTorch forward and `torch.compile`d recomputing backward.
 
@@ -203,7 +211,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
         batch = math.prod(q.shape[:-2])
         # float32 throughout, under autocast too: the backward recomputes P in float32 from L, so a forward
         # whose score matmuls autocast ran in bf16 would hand it an L that does not match its own scores
-        with nvtx_range("flash-pytorch forward"), torch.autocast(q.device.type, enabled=False):
+        with nvtx_range("flash-pytorch forward"), _no_autocast(q.device.type):
             o, lse = _flash_forward(_flatten(q, batch), _flatten(k, batch), _flatten(v, batch), bool(is_causal))
         o = o.reshape(q.shape).to(q.dtype)
         lse = lse.reshape(q.shape[:-1])
@@ -216,7 +224,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
     def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, o, lse = ctx.saved_tensors
         batch = math.prod(q.shape[:-2])
-        with nvtx_range("flash-pytorch backward"), torch.autocast(q.device.type, enabled=False):
+        with nvtx_range("flash-pytorch backward"), _no_autocast(q.device.type):
             dq, dk, dv = _flash_backward(
                 _flatten(q, batch),
                 _flatten(k, batch),

@@ -485,7 +485,8 @@ class _HookedBucketDDP(_DDPBase):
         )
 
     def forward(self, *args, **kwargs):
-        if self._ready:  # inside no_sync() too: that micro-step's gradients could not be communicated
+        # Inside no_sync() too (its gradients could not be communicated), unless it cannot make gradients.
+        if self._ready and (self._require_sync or torch.is_grad_enabled()):
             raise RuntimeError(self._pending_message("a forward pass"))
         return self.module(*args, **kwargs)
 

@@ -290,9 +290,12 @@ class FSDP(nn.Module):
         if self._pending_rs or self._replicated_dirty:  # gradient accumulation: settle the previous backward
             self.finish_gradient_synchronization()
         # A backward that raised leaves its gathers (and the end-of-backward callback flag) behind: start
-        # clean, so this forward never computes with a weight gathered before the last optimizer step.
-        self._release_all()
-        self._backward_callback_queued = False
+        # clean, so this forward never computes with a weight gathered before the last optimizer step.  Not
+        # while a backward runs (checkpoint() around the whole wrapper recomputes this forward inside it,
+        # and the backward's prefetched gathers are still wanted then).
+        if torch._C._current_graph_task_id() == -1:
+            self._release_all()
+            self._backward_callback_queued = False
         self._calls = []
         self._plan_ok = self._fwd_plan is not None
         try:
