@@ -312,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("autotuning times kernels on a CUDA device; none is available")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--json: {exc}")
         reason = unwritable_reason(args.json)
         if reason is not None:  # before tuning, not after it
             parser.error(f"--json: {reason}")
