@@ -190,7 +190,8 @@ class FSDP(nn.Module):
     prefetch_depth: how many sharded calls ahead of the running one may be gathering (default 2; 0 = none).
 
     Counters (cumulative until `reset_counters`): ``num_gathers`` (full-weight all-gathers issued),
-    ``num_reduce_scatters``, ``num_all_reduces``, ``live_gathered`` (full weights materialised now) and
+    ``num_reduce_scatters``, ``num_all_reduces`` (of replicated gradients: one per dtype per finish),
+    ``live_gathered`` (full weights materialised now) and
     ``max_live_gathered`` (the most observed at once).  `gathered_storages_alive()` counts gathered buffers
     that are still allocated by anyone (autograd included): 0 between layers proves they were freed.
     """

@@ -63,8 +63,8 @@ shard, so state memory per rank is ~1/world_size of the unsharded optimizer's.  
     one process group, a parameter used on some ranks only makes its bucket launch in backward on some
     ranks and in ``step()`` on others, so the two optimizers' collectives interleave differently across
     ranks (a collective mismatch): use ``overlap=False`` in that case (the optimizer always uses the
-    default process group).  A backward
-    that raised leaves launched buckets behind: ``zero_grad()`` waits for them and starts the step over.
+    default process group).  A backward that raised leaves launched buckets behind: ``zero_grad()`` waits
+    for them and starts the step over.
     The hooks hold the optimizer weakly (a hook on a parameter lives in C++, beyond Python's cycle collector)
     and are removed when the optimizer is collected.
 
