@@ -21,8 +21,6 @@ pytest-benchmark integration
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 
 import torch
@@ -35,20 +33,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from cs336_systems import machine
+from cs336_systems.cli_args import positive_float
 from cs336_systems.matrix import PROFILES
 
 # pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
 pytest_plugins = ["pytester"]
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -58,7 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
     )
     group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
-    group.addoption("--peak-tflops", type=_positive_float, default=None, help="peak TFLOP/s for MFU")
+    group.addoption("--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s for MFU")
     group.addoption(
         "--compare-any-machine", action="store_true",
         help="allow --benchmark-compare against a run from another GPU or software version (warn only)",

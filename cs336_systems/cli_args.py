@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type`` for positive finite numbers."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
 
 
 def unwritable_reason(path: str | os.PathLike) -> str | None:

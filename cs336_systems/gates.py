@@ -13,8 +13,9 @@ Every case of ``suite`` matching ``where`` and ``numerator`` is paired with the 
 and bookkeeping fields like group, warm-up and rounds, are not compared).  Each pair's time ratio must be
 <= max_ratio.  If two denominator cases agree on every compared field (they differ only in a field one
 side names, or in a bookkeeping field), the pairing is ambiguous and evaluation raises ValueError naming
-the fields, rather than dividing by whichever came last.  Ratios measured in the same run hold across machines where absolute times do not, which
-is why gates compare cases of one run and never a saved baseline.
+the fields, rather than dividing by whichever came last.  Ratios measured in the same run hold across
+machines where absolute times do not, which is why gates compare cases of one run and never a saved
+baseline.
 
 A gate none of whose pairs ran (another profile, a skipped or OOM case) is reported as "not measured",
 not as a pass or a failure.

@@ -503,7 +503,7 @@ def residual_stream_bytes(batch: int, context: int, d_model: int, dtype: torch.d
 def main(argv: Sequence[str] | None = None) -> int:
     from cs336_systems import amp, workloads
     from cs336_systems import attention as attention_registry
-    from cs336_systems.cli_args import int_at_least
+    from cs336_systems.cli_args import int_at_least, unwritable_reason
     from cs336_systems.model import SIZES, config
 
     parser = argparse.ArgumentParser(
@@ -531,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _cuda_index(args.device)
     except (ValueError, RuntimeError) as exc:  # torch.device("bogus") raises RuntimeError too
         parser.error(str(exc))
+    reason = unwritable_reason(args.out)  # e.g. a read-only or pseudo filesystem
+    if reason is not None:
+        parser.error(f"--out: {reason}")
     step = workloads.lm_step(
         size=args.size, context=args.context, batch_size=args.batch_size, mode=args.mode,
         precision=args.precision, attention=args.attention, device=args.device,

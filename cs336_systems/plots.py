@@ -188,7 +188,7 @@ def _by_head_dim(subset: list[dict]) -> list[int]:
 
 def attention_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Attention sweep: latency vs N per mode, and memory before backward vs N (log-log, panel per d)."""
-    fields = ("dtype", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
+    fields = ("dtype", "causal", "batch_size", "heads", "compile", *rp.MEASURED_BY)
     plots = []
     for variant, subset in _attention_variants(entries, "test_attention", fields):
         device = _device(subset, machines)
@@ -225,7 +225,7 @@ def _loglog_drawer(subset: list[dict], title: str, ylabel: str, value, compiled)
 
 def flash_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Flash sweep: TFLOP/s vs N (log2 x, linear y), one panel per d, one line per implementation."""
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", *rp.MEASURED_BY)
     plots = []
     variants = sorted(_attention_variants(entries, "test_flash", fields), key=lambda vs: (
         str(vs[0]["dtype"]), rp.ATTENTION_MODE_ORDER.index(vs[0]["mode"])

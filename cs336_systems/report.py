@@ -68,7 +68,8 @@ from cs336_systems.machine import COMPARABLE_FIELDS
 from cs336_systems.run_files import RunFileError, read_run
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
-ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
+MEASURED_BY = ("flush_l2", "timing")  # how an attention case was timed: sweeps get one table/plot per value
+ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", *MEASURED_BY)
 ATTENTION_TESTS = ("test_attention", "test_flash", "test_leaderboard")
 # how a round was timed (cs336_systems.benchmarking); runs saved before the "timing" field were "host"
 TIMING_LABEL = {"host": "host-synchronized rounds", "device": "device time (CUDA events, as do_bench)"}
@@ -365,7 +366,7 @@ def attention_sweep_tables(entries: list[dict]) -> str:
     """The handout's attention sweep: d x N rows; forward ms, backward ms, memory before backward per impl."""
     sweep = [e for e in entries if e.get("test") == "test_attention"]
     out = []
-    fields = ("dtype", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
+    fields = ("dtype", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
     for variant in _variants(sweep, fields):
         subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
         dtype, causal, batch, heads, compiled, flush, timing = variant
@@ -433,7 +434,7 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
     """
     sweep = [e for e in entries if e.get("test") == "test_flash"]
     out = []
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", "flush_l2", "timing")
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
     variants = sorted(
         _variants(sweep, fields),
         key=lambda v: (str(v[0]), ATTENTION_MODE_ORDER.index(v[1]) if v[1] in ATTENTION_MODE_ORDER else 9, str(v)),
@@ -481,7 +482,7 @@ def leaderboard_table(entries: list[dict], baselines: tuple[str, ...] = LEADERBO
     board = [e for e in entries if e.get("test") == "test_leaderboard"]
     if not board:
         return ""
-    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", "flush_l2", "timing")
+    shape_fields = ("batch_size", "heads", "seq_len", "head_dim", "dtype", "causal", *MEASURED_BY)
     out = []
     for shape in _variants(board, shape_fields):
         subset = [e for e in board if tuple(e.get(f) for f in shape_fields) == shape]

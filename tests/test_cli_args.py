@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cs336_systems.cli_args import int_at_least, unwritable_reason
+from cs336_systems.cli_args import int_at_least, positive_float, unwritable_reason
 
 
 def test_int_at_least():
@@ -14,6 +14,15 @@ def test_int_at_least():
         int_at_least(1)("0")
     with pytest.raises(argparse.ArgumentTypeError, match="expected an integer, got '1.5'"):
         int_at_least(1)("1.5")
+
+
+def test_positive_float():
+    assert positive_float("989.5") == 989.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive finite"):
+            positive_float(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a number"):
+        positive_float("x")
 
 
 def test_unwritable_reason_neither_truncates_nor_removes(tmp_path):
