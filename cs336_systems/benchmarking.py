@@ -25,6 +25,16 @@ Two ways to read a round's time (``timing``):
             flush, the forward before a timed backward) as long as it is shorter; what is measured is
             device time, the convention of the FlashAttention and Triton benchmarks.  CUDA only.
             Hooks still run outside the interval: their kernels precede the start event on the stream.
+            When one call's host work (Python, autograd, launches) takes longer than its kernels, the
+            device waits for the host inside the interval and this is still a host measurement.
+  "graph"   the step captured once into a CUDA graph (after the warm-up, plus a few rounds on a side
+            stream as CUDA-graph capture requires), each round one replay bracketed by CUDA events, as
+            ``triton.testing.do_bench_cudagraph`` times: the kernels' time with the host removed for
+            every implementation alike, which is what compares kernels where a call's host work is longer
+            than its device work (small attention problems).  CUDA only; the step's own
+            ``before_each`` (the forward before a timed backward) cannot run between replays, so such
+            a step is refused; the caller's ``before_each`` (the L2 flush) runs eagerly before each
+            replay, outside the interval.
 
 Two front ends share these steps:
   `measure(setup, ...)`          times the rounds itself (scripts, profiling, anything outside pytest);
@@ -245,7 +255,8 @@ def _guard_oom(call: Callable[[], object]) -> object:
 
 
 def _prepare(
-    setup: Callable[[], Step], warmup: int, clock: SynchronizedClock, device, before_each: Hook | None
+    setup: Callable[[], Step], warmup: int, clock: SynchronizedClock, device, before_each: Hook | None,
+    timing: str = "host",
 ) -> tuple[Step, Callable[[], None] | None]:
     """Build the step and run the warm-up rounds (timed by nobody), then reset the peak counter.
 
@@ -256,6 +267,8 @@ def _prepare(
     step = _guard_oom(setup)
     if not callable(step):
         raise TypeError(f"setup must return a callable step, got {type(step).__name__}")
+    if timing == "graph":
+        _check_graphable(step)  # before the warm-up, which would be wasted
     hook = _round_hook(step, before_each)
     for _ in range(warmup):
         if hook is not None:
@@ -266,14 +279,23 @@ def _prepare(
     return step, hook
 
 
-TIMINGS = ("host", "device")
+TIMINGS = ("host", "device", "graph")
+GRAPH_SIDE_STREAM_ROUNDS = 3  # torch's CUDA-graph recipe: run the step a few times on a side stream first
 
 
 def _check_timing(timing: str, device: torch.device | str | None) -> None:
     if timing not in TIMINGS:
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
-    if timing == "device" and (device is None or torch.device(device).type != "cuda"):
-        raise ValueError(f"timing='device' uses CUDA events and needs a CUDA device, got device={device!r}")
+    if timing in ("device", "graph") and (device is None or torch.device(device).type != "cuda"):
+        raise ValueError(f"timing={timing!r} uses CUDA events and needs a CUDA device, got device={device!r}")
+
+
+def _check_graphable(step: Step) -> None:
+    if getattr(step, "before_each", None) is not None:
+        raise ValueError(
+            "timing='graph' replays one captured step, so the step's own per-round preparation "
+            f"(before_each={step.before_each!r}, e.g. the forward before a timed backward) cannot run between "
+            "rounds; time this step with timing='device' or 'host'")
 
 
 def _host_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int,
@@ -317,6 +339,41 @@ def device_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int
     return [start.elapsed_time(end) / 1e3 for start, end in marks]  # elapsed_time is in ms
 
 
+def capture_cuda_graph(step: Step, device) -> Callable[[], None]:
+    """Capture one call of ``step`` into a CUDA graph; returns its replay (which keeps the graph alive).
+
+    The step runs ``GRAPH_SIDE_STREAM_ROUNDS`` times on a side stream first (lazy initialisation such as
+    cuBLAS workspaces must not happen during capture), then once under capture.  Tensors the step
+    allocates come from the graph's private memory pool and are reused by every replay.
+    """
+    device = torch.device(device)
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_SIDE_STREAM_ROUNDS):
+            _guard_oom(step)
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _guard_oom(step)
+    return graph.replay
+
+
+def graph_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int, device,
+                       *, capture: Callable[[Step, object], Callable[[], object]] = capture_cuda_graph,
+                       event: Callable[[], object] | None = None,
+                       sync: Callable[[], None] | None = None) -> list[float]:
+    """Time ``rounds`` replays of the captured step (timing="graph"); seconds per round.
+
+    Per round: the hook (eager, untimed), start event, one graph replay, end event; one sync at the end
+    (`device_timed_rounds`).  ``capture``, ``event`` and ``sync`` are injectable for tests.
+    """
+    _check_graphable(step)
+    replay = capture(step, device)
+    return device_timed_rounds(replay, hook, rounds, device, event=event, sync=sync)
+
+
 def measure(
     setup: Callable[[], Step],
     *,
@@ -330,7 +387,8 @@ def measure(
     """Build the step with ``setup()``, run ``warmup`` uncounted rounds, then time ``rounds`` rounds.
 
     ``before_each`` (and the step's own ``before_each``, if any) runs before every round, untimed.
-    ``timing``: "host" (synchronizing clock) or "device" (CUDA events, do_bench-style); module docstring.
+    ``timing``: "host" (synchronizing clock), "device" (CUDA events, do_bench-style) or "graph" (CUDA
+    events around replays of the step captured in a CUDA graph); module docstring.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -339,9 +397,11 @@ def measure(
     step = hook = None
     try:
         with gc_paused():
-            step, hook = _prepare(setup, warmup, clock, device, before_each)
+            step, hook = _prepare(setup, warmup, clock, device, before_each, timing)
             if timing == "device":
                 times = device_timed_rounds(step, hook, rounds, device)
+            elif timing == "graph":
+                times = graph_timed_rounds(step, hook, rounds, device)
             else:
                 times = _host_timed_rounds(step, hook, rounds, clock)
     except _OutOfMemory as oom:
@@ -367,8 +427,9 @@ def run_pytest_benchmark(
 ) -> Measurement:
     """Time a step with pytest-benchmark's ``benchmark`` fixture, under this harness's rules.
 
-    timing="device" (CUDA events, see the module docstring) times the rounds with `measure` and hands the
-    durations to pytest-benchmark through `record_measured_times`; the rest of this docstring is "host".
+    timing="device" or "graph" (CUDA events, see the module docstring) times the rounds with `measure` and
+    hands the durations to pytest-benchmark through `record_measured_times`; the rest of this docstring
+    is "host".
 
     pytest-benchmark's runner reads ``benchmark._timer`` before and after each round; pointing it at a
     SynchronizedClock makes every clock read wait for the device (a test pins this behaviour, because
@@ -382,9 +443,9 @@ def run_pytest_benchmark(
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     _check_timing(timing, device)
-    if timing == "device":
+    if timing in ("device", "graph"):
         result = measure(setup, warmup=warmup, rounds=rounds, device=device, clock=clock,
-                         before_each=before_each, timing="device")
+                         before_each=before_each, timing=timing)
         if result.ok:
             record_measured_times(benchmark, result.times_s)
         return result

@@ -143,7 +143,8 @@ _WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
 # "heads" is a number; Nq = Nk = N.  "compile" wraps the registered function in
 # torch.compile(fullgraph=True); "flush_l2" zeroes a 256 MiB buffer before every round (untimed), as
 # triton.testing.do_bench does; "timings" picks how a round is timed (`cs336_systems.benchmarking`: "host",
-# the synchronizing clock, or "device", CUDA events as do_bench).  The attention, flash and leaderboard
+# the synchronizing clock, "device", CUDA events as do_bench, or "graph", CUDA events around CUDA-graph
+# replays of the step, as do_bench_cudagraph; not with mode "backward").  The attention, flash and leaderboard
 # suites share this schema and differ in their values (benchmarks.json).
 _ATTENTION_GRID = {
     "impls": Key(_one_of(_attention_names), axis=True),
@@ -156,7 +157,7 @@ _ATTENTION_GRID = {
     "modes": Key(_one_of(ATTENTION_MODES), axis=True),
     "compile": Key(_boolean, axis=True, required=False, default=[False]),
     "flush_l2": Key(_boolean, axis=False, required=False, default=False),
-    "timings": Key(_one_of(("host", "device")), axis=True, required=False, default=["host"]),
+    "timings": Key(_one_of(("host", "device", "graph")), axis=True, required=False, default=["host"]),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
     "group": Key(_string, axis=False, required=False, default="default"),
@@ -262,6 +263,11 @@ def _validate_grid(grid: object, schema: dict[str, Key], where: str) -> dict:
             out[name] = [key.check(v, f"{where}.{name}[{i}]") for i, v in enumerate(value)]
         else:
             out[name] = key.check(value, f"{where}.{name}")
+    if "graph" in out.get("timings", ()) and "backward" in out.get("modes", ()):
+        # a graph replays one captured step: the untimed forward before a timed backward cannot run between
+        # replays (cs336_systems.benchmarking, timing="graph"); the case could never run
+        raise MatrixError(f"{where}: timings 'graph' cannot time mode 'backward' (its forward runs untimed "
+                          "before every round); use modes forward / forward-backward, or timings device")
     return out
 
 

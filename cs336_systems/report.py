@@ -72,7 +72,8 @@ MEASURED_BY = ("flush_l2", "timing")  # how an attention case was timed: sweeps 
 ATTENTION_FIELDS = ("impl", "heads", "seq_len", "head_dim", "dtype", "causal", *MEASURED_BY)
 ATTENTION_TESTS = ("test_attention", "test_flash", "test_leaderboard")
 # how a round was timed (cs336_systems.benchmarking); runs saved before the "timing" field were "host"
-TIMING_LABEL = {"host": "host-synchronized rounds", "device": "device time (CUDA events, as do_bench)"}
+TIMING_LABEL = {"host": "host-synchronized rounds", "device": "device time (CUDA events, as do_bench)",
+                "graph": "CUDA-graph replay time (host removed, as do_bench_cudagraph)"}
 MODE_ORDER = ("forward", "forward-backward", "train-step")
 ATTENTION_MODE_ORDER = ("forward", "backward", "forward-backward")
 IMPL_ORDER = ("naive", "naive-compiled", "flash-pytorch", "flash-triton", "sdpa", "sdpa-flash", "sdpa-cudnn",

@@ -403,6 +403,63 @@ def test_device_timing_needs_cuda_and_a_known_name():
         measure(lambda: (lambda: None), warmup=0, rounds=1, timing="wall")
 
 
+def test_graph_timing_captures_once_and_brackets_each_replay():
+    dev = FakeDevice(step_seconds=0.25)
+    stream = FakeStream(dev)
+    captured = []
+
+    def capture(step, device):
+        captured.append((step, device))
+        step()  # the capture runs the step once: the work is recorded, not timed
+        dev.pending = 0.0
+
+        def replay():
+            dev.events.append("replay")
+            dev.pending += 0.25
+
+        return replay
+
+    def flush():
+        dev.events.append("flush")
+        dev.pending += 100.0
+
+    step = dev.step
+    times = benchmarking.graph_timed_rounds(step, flush, 3, "cuda", capture=capture, event=stream.event,
+                                            sync=dev.sync)
+    assert captured == [(step, "cuda")]
+    assert times == [0.25] * 3
+    assert dev.events == ["step"] + ["flush", "event", "replay", "event"] * 3 + ["sync"]
+
+
+def test_graph_timing_refuses_a_step_with_its_own_preparation():
+    dev = FakeDevice()
+    step = FakeBackwardStep(dev)
+    with pytest.raises(ValueError, match="timing='graph'.*before_each.*timing='device'"):
+        benchmarking.graph_timed_rounds(step, None, 1, "cuda", capture=lambda s, d: s)
+    with pytest.raises(ValueError, match="timing='graph' uses CUDA events.*device='cpu'"):
+        measure(lambda: step, warmup=0, rounds=1, device="cpu", timing="graph")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_timing_replays_the_kernels():
+    x = torch.randn(4096, 4096, device="cuda")
+    y = torch.empty_like(x)
+    device = measure(lambda: (lambda: x @ x), warmup=3, rounds=10, device="cuda", timing="device")
+    graph = measure(lambda: (lambda: torch.mm(x, x, out=y)), warmup=3, rounds=10, device="cuda", timing="graph")
+    assert device.ok and graph.ok and len(graph.times_s) == 10
+    # the same kernel, host removed: within noise of the event-timed eager call
+    assert 0.8 * device.stats.median <= graph.stats.median <= 1.2 * device.stats.median
+    # a replay really recomputes: new inputs, new result
+    x.copy_(torch.eye(4096, device="cuda"))
+    replay = benchmarking.capture_cuda_graph(lambda: torch.mm(x, x, out=y), "cuda")
+    y.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.eye(4096, device="cuda"))
+    with pytest.raises(ValueError, match="timing='graph'.*before_each"):
+        measure(lambda: FakeBackwardStep(FakeDevice()), warmup=0, rounds=1, device="cuda", timing="graph")
+
+
 @pytest.mark.gpu
 def test_cuda_device_timing_measures_the_kernels():
     x = torch.randn(4096, 4096, device="cuda")

@@ -170,6 +170,15 @@ def test_flash_gpu_profile_covers_the_sweep(data):
         assert {"flash-triton", "naive", "sdpa-flash", "sdpa-cudnn"} <= impls
 
 
+def test_flash_graph_groups_cover_issue_7s_sweep_without_backward_mode(data):
+    cases = [c for c in matrix.parse(data).cases("flash", "gpu") if c["timing"] == "graph"]
+    assert {c["mode"] for c in cases} == {"forward", "forward-backward"}
+    bf16 = {(c["seq_len"], c["head_dim"], c["impl"]) for c in cases if c["dtype"] == "bf16"}
+    for n in (2**k for k in range(10, 17)):  # issue 7's Must 2: N >= 1024, d 64 and 128, vs sdpa-flash
+        for d in (64, 128):
+            assert {(n, d, "flash-triton"), (n, d, "sdpa-flash")} <= bf16
+
+
 def test_leaderboard_profile_is_the_leaderboard_shape(data):
     cases = matrix.parse(data).cases("leaderboard", "gpu")
     assert cases
@@ -218,6 +227,8 @@ def _attention_grid(data, suite="flash"):
         (lambda d: _attention_grid(d).update(causal=[1]), r"gpu\[0\]\.causal\[0\]: expected true or false"),
         (lambda d: _attention_grid(d).update(flush_l2=[True]), r"gpu\[0\]\.flush_l2: expected true or false"),
         (lambda d: _attention_grid(d).update(timings=["wall"]), r"gpu\[0\]\.timings\[0\]: unknown value 'wall'"),
+        (lambda d: _attention_grid(d).update(timings=["device", "graph"], modes=["forward", "backward"]),
+         r"gpu\[0\]: timings 'graph' cannot time mode 'backward'"),
         (lambda d: _attention_grid(d).update(head_dims=[]), r"gpu\[0\]\.head_dims: expected a non-empty list"),
         (lambda d: _attention_grid(d).pop("seq_lens"), r"gpu\[0\]: missing required key 'seq_lens'"),
         (lambda d: _attention_grid(d, "leaderboard").update(compile=["yes"]),
