@@ -7,7 +7,7 @@ bf16/fp16/fp32 at larger sizes and torch.compile(fullgraph=True).
 
 import pytest
 import torch
-from attention_reference import assert_flash_accuracy, random_qkv
+from attention_reference import assert_flash_accuracy, random_qkv, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,6 +157,66 @@ def test_gpu_memory_grows_linearly_in_n():
     assert all(peaks[n] <= 8 * q_bytes[n] for n in peaks), (peaks, q_bytes)
     # 4x the length: linear growth is ~4x (allow the allocator's slack), quadratic would be ~16x
     assert peaks[16384] <= 5.5 * peaks[4096], peaks
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bh=st.sampled_from([1, 2]),
+    nq=st.integers(1, 150),
+    nk=st.integers(1, 150),
+    d=st.sampled_from([16, 32]),
+    is_causal=st.booleans(),
+    splits=st.sampled_from([2, 3, 5]),
+    tiles=st.sampled_from([(32, 32), (64, 16), (16, 32)]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_key_split_forward_matches_float64_reference(bh, nq, nk, d, is_causal, splits, tiles, dtype, seed):
+    """The split forward (chunks of keys per query tile, then a combine kernel): o and L against float64,
+    including chunks that hold only keys above some rows' diagonal (BLOCK_M > BLOCK_N) and chunks with no
+    keys at all."""
+    from cs336_systems.attention import flash_launch
+    from cs336_systems.attention.flash_configs import TileConfig
+
+    q, k, v = (t.detach() for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
+    cfg = TileConfig(*tiles, 4, 1)
+    o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
+    flash_launch.forward(q, k, v, o, lse, is_causal, cfg, splits=splits)
+    ref_o, ref_lse = reference(q, k, v, is_causal)
+    scale = ref_o.abs().max().item()
+    tol = {torch.float32: 2e-5, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(o.double(), ref_o, rtol=0, atol=tol * max(scale, 1.0))
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(monkeypatch):
+    from cs336_systems.attention import flash_launch
+    from cs336_systems.attention.flash_configs import TileConfig
+
+    cfg = TileConfig(64, 64, 4, 3)
+    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
+
+    class FakeCuda:
+        def __init__(self, bh, n):
+            self.shape, self.device = (bh, n, 64), torch.device("cuda", 0)
+
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 4  # 32 tiles: 4 chunks of 8 key tiles
+    assert flash_launch.key_splits(FakeCuda(1, 1024), 1024, cfg) == 8  # 16 tiles, 16 key tiles: 8 x 2
+    assert flash_launch.key_splits(FakeCuda(1, 256), 256, cfg) == 2  # 4 key tiles: chunks of >= 2
+    assert flash_launch.key_splits(FakeCuda(1, 8192), 8192, cfg) == 1  # 128 tiles ~ one per SM
+    assert flash_launch.key_splits(FakeCuda(16, 16384), 16384, cfg) == 1  # the leaderboard shape
+    assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 1  # CPU / interpreter
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "1")
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 1
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "3")
+    assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 3
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "zero")
+    with pytest.raises(ValueError, match="CS336_FLASH_SPLITS must be a positive integer, got 'zero'"):
+        flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg)
+    monkeypatch.delenv("CS336_FLASH_SPLITS")
+    with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
+        q = torch.empty(1, 4, 16)
+        flash_launch.forward(q, q, q, q, torch.empty(1, 4), True, cfg, splits=0)
 
 
 @pytest.mark.gpu

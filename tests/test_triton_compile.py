@@ -26,7 +26,7 @@ from cs336_systems.attention import triton_kernels as kernels
 
 causal = sys.argv[1] == "causal"
 consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
-          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634}
+          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4}
 strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
 bf16 = "*bf16"
 
@@ -50,6 +50,10 @@ compile_(kernels.flash_bwd_dq_kernel,
          strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",
                     "n_keys"],
          ["sm_scale", "qk_scale"])
+compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
+         strides + ["n_queries", "n_keys"], ["qk_scale"])
+compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
+         ["stride_ob", "stride_on", "n_queries"], [])
 print("compiled")
 """
 

@@ -10,7 +10,9 @@ which once turned every score tile's multiply into fp64 (see results/h100/flash-
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,10 +34,72 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+SPLITS_ENV = "CS336_FLASH_SPLITS"
+MAX_KEY_SPLITS = 8
+MIN_TILES_PER_SPLIT = 2  # a chunk shorter than this many key tiles does not repay its partial write
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
+    """How many key chunks the forward splits each query tile into (1: the unsplit kernel).
+
+    Split only when the unsplit grid (query tiles x B*H) leaves at least half of the SMs idle: then the
+    forward's time is the longest program's key loop, and SPLITS chunks shorten it SPLITS-fold for the
+    price of a float32 partial output per chunk and a combine kernel.  Enough splits to bring the grid
+    to about one program per SM, at most MAX_KEY_SPLITS, and chunks of at least MIN_TILES_PER_SPLIT key
+    tiles.  Only on CUDA devices (the interpreter has no SMs; tests pass ``splits`` explicitly).
+    ``CS336_FLASH_SPLITS=<n>`` overrides the choice (1: never split; for same-run A/B measurements).
+    """
+    forced = os.environ.get(SPLITS_ENV)
+    if forced:
+        try:
+            value = int(forced)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{SPLITS_ENV} must be a positive integer, got {forced!r}")
+        return value
+    if q.device.type != "cuda":
+        return 1
+    bh, n_queries, _ = q.shape
+    programs = triton.cdiv(n_queries, cfg.block_m) * bh
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if 2 * programs > sms:
+        return 1
+    by_length = triton.cdiv(n_keys, cfg.block_n) // MIN_TILES_PER_SPLIT
+    return max(1, min(MAX_KEY_SPLITS, sms // programs, by_length))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-            cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True) -> None:
-    """o (BH, Nq, d) and lse (BH, Nq) written in place."""
+            cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None) -> None:
+    """o (BH, Nq, d) and lse (BH, Nq) written in place.
+
+    ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
+    partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
+    """
     bh, n_queries, d = q.shape
+    splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if splits > 1:
+        o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
+        l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
+        wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
+            q, k, v, o_part, l_part,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, **cfg.launch_kwargs(),
+        )
+        combine_rows = 64 if d <= 64 else 32  # a (rows, d) float32 accumulator per program
+        wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
+            o_part, l_part, o, lse, o.stride(0), o.stride(1), n_queries,
+            HEAD_DIM=d, BLOCK_M=combine_rows, SPLITS=splits, num_warps=4,
+        )
+        return
     grid = (triton.cdiv(n_queries, cfg.block_m), bh)
     wrap(kernels.flash_fwd_kernel)[grid](
         q, k, v, o, lse,

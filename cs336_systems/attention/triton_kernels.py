@@ -1,4 +1,5 @@
-"""FlashAttention-2 Triton kernels (forward; dQ, which computes D = rowsum(O * dO) first; dK/dV). Kernel code only.
+"""FlashAttention-2 Triton kernels (forward, and its key-split variant with a combine kernel for few
+(batch x head) slices; dQ, which computes D = rowsum(O * dO) first; dK/dV). Kernel code only.
 
 Layout: every tensor is (BH, N, d) with a unit stride on d; one program handles one tile of one
 (batch x head) slice.  Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so
@@ -106,6 +107,100 @@ def flash_fwd_kernel(
     tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
+
+
+@triton.jit
+def flash_fwd_split_kernel(
+    Q, K, V, O_PART, L_PART,
+    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
+    n_queries, n_keys, qk_scale: tl.constexpr,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
+
+    For few (batch x head) slices the unsplit grid has fewer programs than the GPU has SMs and its time is
+    the longest program's key loop (the last causal tile visits every key); splitting the key range
+    shortens that loop SPLITS-fold and multiplies the programs.  Program (m, bh, s) takes key tiles
+    [s * c, (s + 1) * c) of the tile's visible ones, c = cdiv(visible tiles, SPLITS), and writes its
+    normalized partial output (float32) to O_PART[s, bh] (SPLITS, BH, Nq, d) and its base-2 logsumexp
+    (-inf for an empty chunk) to L_PART[s, bh] (SPLITS, BH, Nq); `flash_fwd_combine_kernel` merges them.
+    A chunk holding only keys above a row's diagonal (BLOCK_M > BLOCK_N) leaves that row with m = MASKED,
+    so its masked scores count as exp2(0) = 1 and its partial is garbage, but its L is ~MASKED (-1e6):
+    weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    n_bh = tl.num_programs(1)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = offs_m[:, None] < n_queries
+    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_vb
+
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_keys
+        full_end = n_keys // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
+    lo = tl.minimum(split * chunk, hi)
+    end = tl.minimum(lo + chunk, hi)
+    # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
+    mid = tl.maximum(tl.minimum(full_end, end), lo)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    part = (split * n_bh + bh) * n_queries
+    tl.store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=q_rows)
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(L_PART + part + offs_m, lse2, mask=offs_m < n_queries)
+
+
+@triton.jit
+def flash_fwd_combine_kernel(
+    O_PART, L_PART, O, L, stride_ob, stride_on, n_queries,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Grid (cdiv(Nq, BLOCK_M), BH): O = sum_s w_s O_s, w_s = 2^(L_s - L), L = log2 sum_s 2^L_s (then in
+    natural-log units, as the unsplit kernel stores it).  Every row sees at least one key (Nk >= 1; causal
+    rows see key 0), so some L_s is finite."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n_bh = tl.num_programs(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < n_queries
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(L_PART + (s * n_bh + bh) * n_queries + offs_m, mask=rows, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # padding rows only
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = (s * n_bh + bh) * n_queries
+        w = tl.math.exp2(tl.load(L_PART + part + offs_m, mask=rows, other=float("-inf")) - m)
+        o_s = tl.load(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+        acc += w[:, None] * o_s
+        total += w
+    total = tl.where(total > 0.0, total, 1.0)
+    o = acc / total[:, None]
+    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=rows[:, None])
+    tl.store(L + bh * n_queries + offs_m, (m + tl.math.log2(total)) * 0.6931471805599453, mask=rows)
 
 
 @triton.jit
