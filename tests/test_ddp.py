@@ -388,6 +388,8 @@ def _expected_calls_per_step(kind: str, grads_anywhere: int) -> int:
         return 1 + grads_anywhere  # flags + one per tensor that has a gradient on some rank
     if kind == "flat":
         return 1
+    if kind == "individual":
+        return len(EXPECTED_BUCKETS[kind]) + 1  # every tensor in place, then one flags all-reduce in finish
     return len(EXPECTED_BUCKETS[kind])
 
 
@@ -409,7 +411,8 @@ def test_communication_counts_and_overlap(jobs):
             if kind in ("naive", "flat", "bucketed_none", "bucketed_1mb"):
                 assert rec["before"] == 0, (kind, step, rec)
             elif step == 2:  # everyone uses the branch: all buckets before the unused one launch early
-                assert rec["before"] == rec["total"] - (2 if kind in ("individual", "bucketed_tiny") else 1)
+                in_finish = {"individual": 3, "bucketed_tiny": 2}.get(kind, 1)  # individual: + the flags
+                assert rec["before"] == rec["total"] - in_finish, (kind, step, rec)
 
 
 def test_no_sync_accumulates_and_communicates_once(jobs):
@@ -733,3 +736,25 @@ def test_average_into_grads_divides_only_by_what_the_collective_left(divisor):
     torch.testing.assert_close(c.grad, torch.tensor([1.0, 3.0, 5.0, 7.0]) / divisor)
     assert c.grad.untyped_storage().data_ptr() != partial_buf.untyped_storage().data_ptr()  # a copy: buffer freed
     assert partial.params[1].grad is None
+
+
+def _in_place_job(rank: int, world_size: int) -> dict:
+    """DDPIndividualParameters: the tensor autograd accumulated is the one all-reduced and kept as p.grad
+    (no copy), and backward dispatches no copy-in ops (cat, fills) for it."""
+    net = _build(rank)
+    wrapper = ddp.DDPIndividualParameters(net)
+    seen: dict[str, int] = {}
+    for name, p in net.named_parameters():
+        if p.requires_grad:  # registered after the wrapper's hook: sees p.grad as it was launched
+            p.register_post_accumulate_grad_hook(lambda t, name=name: seen.__setitem__(name, t.grad.data_ptr()))
+    with _OpLog() as log:
+        _loss(wrapper, 2, rank, world_size).backward()
+    wrapper.finish_gradient_synchronization()
+    kept = {name: p.grad.data_ptr() == seen[name] for name, p in net.named_parameters() if name in seen}
+    return {"kept": kept, "copy_ops": [op for op in log.ops if "cat" in op or "fill" in op or "copy" in op]}
+
+
+def test_individual_parameters_reduce_gradients_in_place():
+    for result in spawn(_in_place_job, 2, timeout_s=60.0):
+        assert result["kept"] and all(result["kept"].values()), result["kept"]
+        assert result["copy_ops"] == [], result["copy_ops"]

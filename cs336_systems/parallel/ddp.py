@@ -12,7 +12,7 @@ All four share one interface (DESIGN.md):
 |-------------------------|------------------------------------|-----------------------------------------|
 | NaiveDDP                | 1 (flags) + 1 per tensor with grad | in finish, blocking, one after another  |
 | FlatDDP                 | 1 per (dtype, device)              | in finish                               |
-| DDPIndividualParameters | 1 per trainable tensor             | async from backward hooks (overlapped)  |
+| DDPIndividualParameters | 1 per trainable tensor + 1 (flags) | async from backward hooks (overlapped)  |
 | DDPBucketed             | 1 per bucket                       | async from backward hooks (overlapped)  |
 
 Semantics common to all (checked against single-process training and torch DDP in tests/test_ddp.py):
@@ -26,16 +26,19 @@ Semantics common to all (checked against single-process training and torch DDP i
   de-duplicates by identity).
 * Unused parameters never hang a step and behave as in torch DDP: each communicated gradient travels
   with a "had a gradient" flag (one extra element per tensor in the flat buffers, a separate flags
-  all-reduce in NaiveDDP).  A parameter without a gradient on every rank keeps ``grad=None``, so
-  optimizers skip it exactly as in single-process training; one used on some ranks gets the average
-  with zeros from the others.
+  all-reduce in NaiveDDP and DDPIndividualParameters).  A parameter without a gradient on every rank
+  keeps ``grad=None``, so optimizers skip it exactly as in single-process training; one used on some
+  ranks gets the average with zeros from the others.
 * ``no_sync()``: inside it nothing is communicated (hooks are idle, finish is a no-op) and gradients
   accumulate locally; the first finish outside it averages the accumulated sums.  Micro-steps go inside
   it *before* the synchronized one: the hook-based wrappers have launched a synchronized backward's
-  buckets (and dropped those gradients) by the time it ends, so a no_sync() forward or backward between
+  buckets (and dropped those gradients, or are reducing them in place) by the time it ends, so a no_sync()
+  forward or backward between
   it and its finish raises instead of having its gradients overwritten (NaiveDDP and FlatDDP, which
   communicate only in finish, average g1 + g2 in that order too).
-* Gradient storage (FlatDDP and the hook-based wrappers; NaiveDDP averages ``p.grad`` in place).  When
+* Gradient storage (FlatDDP and DDPBucketed; NaiveDDP and DDPIndividualParameters average each
+  ``p.grad`` in place, a non-contiguous one through a dense copy, and DDPIndividualParameters does so
+  from the moment its hook fires: its p.grad is a buffer in flight until finish).  When
   a bucket (FlatDDP: a dtype group) is launched, its gradients are copied into a fresh flat buffer
   (``_pack``) and dropped (``p.grad = None``), so each gradient's memory is free as soon as it has been
   copied.  **Between a bucket's launch and the end of finish its parameters' p.grad is None** (for the
@@ -505,14 +508,63 @@ class _HookedBucketDDP(_DDPBase):
 class DDPIndividualParameters(_HookedBucketDDP):
     """One asynchronous all-reduce per gradient, launched from its post-accumulate-grad hook.
 
-    Each trainable tensor is its own bucket (grad + flag copied into a (numel + 1,) buffer), in reverse
-    registration order; see the module docstring for why launches follow that order.
+    Each trainable tensor is its own bucket, in reverse registration order (see the module docstring for
+    why launches follow that order).  Unlike the flat buffers, the gradient is all-reduced in place: no
+    copy and no flag per tensor (a copy-in per tensor is a pass over every gradient on the device and
+    several host calls per tensor inside backward, which dominate a host-bound step).  Which tensors had
+    a gradient on some rank travels instead in one (n_tensors,) flags all-reduce issued by finish; the
+    flags are read on the host only by a rank that lacked some gradient.  A tensor without a gradient
+    here (launched by finish) contributes zeros.  Until finish, p.grad is the buffer being reduced:
+    read or modify gradients only after finish.
     """
 
     def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
         _check_module(module, type(self).__name__)
         n = sum(1 for p in module.parameters() if p.requires_grad)
         super().__init__(module, [[i] for i in reversed(range(n))], record_timing=record_timing)
+
+    def _launch(self, b: int) -> None:
+        (p,) = self._buckets[b]
+        grad = p.grad
+        if grad is None:  # no gradient on this rank (launched from finish): contribute zeros
+            buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        else:
+            buf = grad if grad.is_contiguous() else grad.contiguous()  # the collective needs dense memory
+        self._in_flight.append((p, buf, grad is not None, self._all_reduce(buf, async_op=True)))
+        self._next = b + 1
+
+    def _finish(self) -> None:
+        try:
+            # Buckets still waiting hold a parameter that got no gradient on this rank: launch them now.
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            if not self._in_flight:
+                return
+            had = [entry[2] for entry in self._in_flight]
+            device = self._in_flight[0][1].device
+            complete = all(had)
+            # A device fill when every gradient is here (no host -> device copy, which would wait for the
+            # device); otherwise the flags are read back below anyway.
+            flags = (torch.ones(len(had), dtype=torch.float32, device=device) if complete
+                     else torch.tensor(had, dtype=torch.float32, device=device))
+            flags_work = self._all_reduce(flags, async_op=True)
+            for *_, work in self._in_flight:
+                work.wait()
+            flags_work.wait()
+            present = had if complete else (flags > 0).tolist()
+            reduced = []
+            for (p, buf, _, _), anywhere in zip(self._in_flight, present):
+                if anywhere:
+                    reduced.append((p, buf))
+                else:
+                    p.grad = None  # no rank had a gradient: as in single-process training
+            if self._divisor != 1:
+                torch._foreach_div_([buf for _, buf in reduced], self._divisor)
+            for p, buf in reduced:
+                # a dense copy (non-contiguous parameter) goes back into the parameter's own strides
+                p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
+        finally:
+            self._reset_step()
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[int]]:
