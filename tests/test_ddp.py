@@ -758,3 +758,42 @@ def test_individual_parameters_reduce_gradients_in_place():
     for result in spawn(_in_place_job, 2, timeout_s=60.0):
         assert result["kept"] and all(result["kept"].values()), result["kept"]
         assert result["copy_ops"] == [], result["copy_ops"]
+
+
+class _Aliased(nn.Module):
+    """Gradients that autograd hands to the parameters as views of shared memory: a and b both receive
+    views of one upstream gradient (no broadcasting, so no reduction copies it), and w's branch reads that
+    same gradient later in backward."""
+
+    N = 1 << 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(self.N))
+        self.a = nn.Parameter(torch.zeros(self.N))
+        self.b = nn.Parameter(torch.zeros(self.N))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w) + self.a.unsqueeze(0) + self.b.unsqueeze(0)
+
+
+def _aliased_job(rank: int, world_size: int) -> list[tuple[list[float], list[float], list[float]]]:
+    net = _Aliased()
+    wrapper = ddp.DDPIndividualParameters(net)
+    out = []
+    for step in range(3):
+        scale = torch.full((1, _Aliased.N), float(rank + 1 + step))
+        (wrapper(torch.ones(1, _Aliased.N)) * scale).sum().backward()
+        wrapper.finish_gradient_synchronization()
+        out.append((net.w.grad.unique().tolist(), net.a.grad.unique().tolist(), net.b.grad.unique().tolist()))
+        net.zero_grad()
+    return out
+
+
+def test_individual_parameters_copy_gradients_that_alias_other_memory():
+    """Reducing such a gradient in place would reduce one memory twice (a, b) and hand w's branch a
+    half-reduced upstream gradient; the wrapper copies them, so every gradient is the plain average."""
+    for result in spawn(_aliased_job, 2, timeout_s=60.0):
+        for step, (w, a, b) in enumerate(result):
+            mean = (1 + step + 2 + step) / 2  # d/dparam of sum(scale * out) = scale, averaged over ranks
+            assert w == [mean] and a == [mean] and b == [mean], (step, w, a, b)

@@ -189,6 +189,14 @@ def test_key_split_forward_matches_float64_reference(bh, nq, nk, d, is_causal, s
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_split_forward_through_autograd_matches_float64_reference(monkeypatch, is_causal):
+    """The whole Function (forward split, backward from the combined L) when the split is forced."""
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "3")
+    q, k, v = random_qkv((1, 2), 90, 77, 32, torch.float32, DEVICE, seed=11)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
 def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(monkeypatch):
     from cs336_systems.attention import flash_launch
     from cs336_systems.attention.flash_configs import TileConfig

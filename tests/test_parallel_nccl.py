@@ -135,3 +135,29 @@ def test_variant_on_nccl_matches_single_process_and_ranks_agree(results, variant
         assert out["ref_diff"] < LR / 20, f"{variant}: differs from single-process AdamW by {out['ref_diff']}"
     if variant in ("naive", "flat", "individual", "bucketed", "zero-broadcast"):
         assert results[0][variant]["sync_s"] is not None and results[0][variant]["sync_s"] >= 0
+
+
+def _aliased_job(rank: int, world_size: int) -> list[list[float]]:
+    """DDPIndividualParameters on NCCL with gradients that alias (see tests/test_ddp.py's _Aliased): there the
+    collective runs on NCCL's stream while backward's later kernels read the same memory."""
+    torch.cuda.set_device(rank)
+    n = 1 << 20
+    w, a, b = (torch.nn.Parameter(torch.full((n,), v, device="cuda")) for v in (1.0, 0.0, 0.0))
+    module = torch.nn.ParameterList([w, a, b])
+    wrapper = DDPIndividualParameters(module)
+    out = []
+    for step in range(3):
+        x = torch.ones(1, n, device="cuda")
+        scale = torch.full((1, n), float(rank + 1 + step), device="cuda")
+        ((x * w) + a.unsqueeze(0) + b.unsqueeze(0)).mul(scale).sum().backward()
+        wrapper.finish_gradient_synchronization()
+        out.append([t.grad.unique().tolist() for t in (w, a, b)])
+        module.zero_grad()
+    return out
+
+
+def test_individual_parameters_with_aliased_gradients_on_nccl():
+    for result in spawn(_aliased_job, 2, backend="nccl", timeout_s=120.0):
+        for step, grads in enumerate(result):
+            mean = (1 + step + 2 + step) / 2
+            assert grads == [[mean]] * 3, (step, grads)

@@ -80,6 +80,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
+    ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
+    has about one program per SM, so it has no order to choose and ignores it.
     """
     bh, n_queries, d = q.shape
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits

@@ -84,6 +84,7 @@ on CPU/gloo the host clock is already exact because ``wait()`` blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import weakref
@@ -505,6 +506,26 @@ class _HookedBucketDDP(_DDPBase):
             self._reset_step()
 
 
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+@functools.cache
+def _sole_owner_refs() -> int:
+    """What `_storage_refs` reads for a tensor that nothing else references (calibrated, not assumed)."""
+    return _storage_refs(torch.empty(1))
+
+
+def _shares_memory(t: torch.Tensor) -> bool:
+    """True if any other tensor (an autograd buffer, another parameter's gradient) references ``t``'s
+    memory right now.  A view's flags cannot tell: autograd detaches the gradient it keeps, and two
+    ``unsqueeze`` views of one (1, N) buffer each span all of it.  Without the (private) storage use
+    count, assume sharing: a copy is always safe."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return True
+    return _storage_refs(t) > _sole_owner_refs()
+
+
 class DDPIndividualParameters(_HookedBucketDDP):
     """One asynchronous all-reduce per gradient, launched from its post-accumulate-grad hook.
 
@@ -514,8 +535,9 @@ class DDPIndividualParameters(_HookedBucketDDP):
     several host calls per tensor inside backward, which dominate a host-bound step).  Which tensors had
     a gradient on some rank travels instead in one (n_tensors,) flags all-reduce issued by finish; the
     flags are read on the host only by a rank that lacked some gradient.  A tensor without a gradient
-    here (launched by finish) contributes zeros.  Until finish, p.grad is the buffer being reduced:
-    read or modify gradients only after finish.
+    here (launched by finish) contributes zeros; a gradient that is a view of memory other tensors may
+    share (see `_launch`) or is non-contiguous is copied first.  Until finish, p.grad is the buffer being
+    reduced (or the gradient that was copied): read or modify gradients only after finish.
     """
 
     def __init__(self, module: nn.Module, *, record_timing: bool = False) -> None:
@@ -528,8 +550,15 @@ class DDPIndividualParameters(_HookedBucketDDP):
         grad = p.grad
         if grad is None:  # no gradient on this rank (launched from finish): contribute zeros
             buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        elif not grad.is_contiguous() or _shares_memory(grad):
+            # The collective needs dense memory it owns.  Autograd keeps an incoming gradient as p.grad
+            # without copying whenever no other tensor object refers to it, also when it is a *view* of
+            # memory that backward still reads (another branch of an add) or that another parameter's
+            # gradient views too (``x + a.unsqueeze(0) + b.unsqueeze(0)``): reducing it in place would
+            # corrupt those, so such a gradient is copied (it becomes p.grad at finish).
+            buf = grad.contiguous() if not grad.is_contiguous() else grad.clone()
         else:
-            buf = grad if grad.is_contiguous() else grad.contiguous()  # the collective needs dense memory
+            buf = grad
         self._in_flight.append((p, buf, grad is not None, self._all_reduce(buf, async_op=True)))
         self._next = b + 1
 
@@ -562,7 +591,7 @@ class DDPIndividualParameters(_HookedBucketDDP):
                 torch._foreach_div_([buf for _, buf in reduced], self._divisor)
             for p, buf in reduced:
                 # a dense copy (non-contiguous parameter) goes back into the parameter's own strides
-                p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
+                p.grad = buf if buf.stride() == p.stride() else torch.empty_like(p).copy_(buf)
         finally:
             self._reset_step()
 
