@@ -38,7 +38,8 @@ Semantics common to all (checked against single-process training and torch DDP i
   communicate only in finish, average g1 + g2 in that order too).
 * Gradient storage (FlatDDP and DDPBucketed; NaiveDDP and DDPIndividualParameters average each
   ``p.grad`` in place, a non-contiguous one through a dense copy, and DDPIndividualParameters does so
-  from the moment its hook fires: its p.grad is a buffer in flight until finish).  When
+  from the moment its hook fires, copying first a gradient whose memory another tensor references: its
+  p.grad is a buffer in flight until finish).  When
   a bucket (FlatDDP: a dtype group) is launched, its gradients are copied into a fresh flat buffer
   (``_pack``) and dropped (``p.grad = None``), so each gradient's memory is free as soon as it has been
   copied.  **Between a bucket's launch and the end of finish its parameters' p.grad is None** (for the
