@@ -15,7 +15,7 @@ Every measurement in this package goes through here, so the rules hold everywher
 * CUDA out-of-memory (while building the workload, in a per-round hook, warming up or measuring)
   becomes a `Measurement` with ``status="oom"`` and the memory is released so the next case can run.
 
-Two ways to read a round's time (``timing``):
+Three ways to read a round's time (``timing``):
   "host"    (default) the synchronizing clock: the device is idle when a round starts and drained when it
             ends, so the round's time includes the host's latency to its first kernel (Python, dispatch,
             launches) and the final sync: the latency a caller waits for one call.

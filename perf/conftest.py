@@ -14,7 +14,8 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
   ``"flush_l2": true`` (`benchmarking.L2Flush`: a cold L2 each round, as triton.testing.do_bench);
   ``"timings": ["device"]`` times attention rounds with CUDA events (``benchmarking`` timing="device",
   do_bench's convention: device time, host overhead hidden behind queued work) instead of the default
-  host-synchronized clock; its cases' ids end in ``devicetime``;
+  host-synchronized clock; its cases' ids end in ``devicetime``; ``"timings": ["graph"]`` times replays
+  of the step captured in a CUDA graph (ids end in ``graphtime``);
 * turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
   so reports show OOM cells and comparisons never treat a missing time as a speed-up.
 
