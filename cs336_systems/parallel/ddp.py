@@ -32,10 +32,9 @@ Semantics common to all (checked against single-process training and torch DDP i
 * ``no_sync()``: inside it nothing is communicated (hooks are idle, finish is a no-op) and gradients
   accumulate locally; the first finish outside it averages the accumulated sums.  Micro-steps go inside
   it *before* the synchronized one: the hook-based wrappers have launched a synchronized backward's
-  buckets (and dropped those gradients, or are reducing them in place) by the time it ends, so a no_sync()
-  forward or backward between
-  it and its finish raises instead of having its gradients overwritten (NaiveDDP and FlatDDP, which
-  communicate only in finish, average g1 + g2 in that order too).
+  buckets (and dropped those gradients, or are reducing them in place) by the time it ends, so a
+  no_sync() forward or backward between it and its finish raises instead of having its gradients
+  overwritten (NaiveDDP and FlatDDP, which communicate only in finish, average g1 + g2 in that order too).
 * Gradient storage (FlatDDP and DDPBucketed; NaiveDDP and DDPIndividualParameters average each
   ``p.grad`` in place, a non-contiguous one through a dense copy, and DDPIndividualParameters does so
   from the moment its hook fires, copying first a gradient whose memory another tensor references: its
@@ -536,8 +535,8 @@ class DDPIndividualParameters(_HookedBucketDDP):
     several host calls per tensor inside backward, which dominate a host-bound step).  Which tensors had
     a gradient on some rank travels instead in one (n_tensors,) flags all-reduce issued by finish; the
     flags are read on the host only by a rank that lacked some gradient.  A tensor without a gradient
-    here (launched by finish) contributes zeros; a gradient that is a view of memory other tensors may
-    share (see `_launch`) or is non-contiguous is copied first.  Until finish, p.grad is the buffer being
+    here (launched by finish) contributes zeros; a gradient whose memory another tensor references (see
+    `_launch`) or that is non-contiguous is copied first.  Until finish, p.grad is the buffer being
     reduced (or the gradient that was copied): read or modify gradients only after finish.
     """
 
@@ -588,7 +587,7 @@ class DDPIndividualParameters(_HookedBucketDDP):
                     reduced.append((p, buf))
                 else:
                     p.grad = None  # no rank had a gradient: as in single-process training
-            if self._divisor != 1:
+            if reduced and self._divisor != 1:
                 torch._foreach_div_([buf for _, buf in reduced], self._divisor)
             for p, buf in reduced:
                 # a dense copy (non-contiguous parameter) goes back into the parameter's own strides
