@@ -61,52 +61,6 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
 
 
 @triton.jit
-def _fwd_rows(Q, K, V, bh, start_m, stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
-              n_queries, n_keys, qk_scale, split, SPLITS: tl.constexpr,
-              CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """One query tile's unnormalized (acc, l, m) over chunk ``split`` of SPLITS of its visible keys.
-
-    Visible keys: all, or (causal) those j <= the tile's last query.  They are cut into SPLITS chunks of
-    c = cdiv(visible key tiles, SPLITS) tiles (SPLITS = 1: all of them, the unsplit forward); a chunk is
-    walked in two phases, the tiles every query of the tile sees in full (no mask), then the diagonal band
-    and the ragged end (masked).  Returns (acc, l_i, m_i, offs_m, offs_d).
-    """
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :],
-                mask=offs_m[:, None] < n_queries, other=0.0)
-    k_base = K + bh * stride_kb
-    v_base = V + bh * stride_vb
-
-    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, n_keys)
-        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N  # every query in the tile sees these
-    else:
-        hi = n_keys
-        full_end = n_keys // BLOCK_N * BLOCK_N
-    if SPLITS == 1:  # the unsplit forward: the same loop bounds as before the split existed
-        lo = 0
-        mid = full_end
-        end = hi
-    else:
-        chunk = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
-        lo = tl.minimum(split * chunk, hi)
-        end = tl.minimum(lo + chunk, hi)
-        mid = tl.maximum(tl.minimum(full_end, end), lo)  # [lo, mid) unmasked, [mid, end) masked; may be empty
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
-    return acc, l_i, m_i, offs_m, offs_d
-
-
-@triton.jit
 def flash_fwd_kernel(
     Q, K, V, O, L,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
@@ -123,14 +77,34 @@ def flash_fwd_kernel(
     pid_m = tl.program_id(0)
     if CAUSAL and LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
-    acc, l_i, m_i, offs_m, offs_d = _fwd_rows(
-        Q, K, V, bh, pid_m * BLOCK_M, stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
-        n_queries, n_keys, qk_scale, 0, 1, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = offs_m[:, None] < n_queries
+    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_vb
+
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Keys this query tile can see: all, or (causal) those j <= the tile's last query.
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N  # every query in the tile sees these
+    else:
+        hi = n_keys
+        full_end = n_keys // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
 
     o = acc / l_i[:, None]
-    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=offs_m[:, None] < n_queries)
+    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
 
@@ -147,24 +121,51 @@ def flash_fwd_split_kernel(
 
     For few (batch x head) slices the unsplit grid has fewer programs than the GPU has SMs and its time is
     the longest program's key loop (the last causal tile visits every key); splitting the key range
-    shortens that loop SPLITS-fold and multiplies the programs.  Program (m, bh, s) takes chunk s of the
-    tile's visible key tiles (`_fwd_rows`) and writes its normalized partial output (float32) to
-    O_PART[s, bh] (SPLITS, BH, Nq, d) and its base-2 logsumexp (-inf for an empty chunk) to L_PART[s, bh]
-    (SPLITS, BH, Nq); `flash_fwd_combine_kernel` merges them.
+    shortens that loop SPLITS-fold and multiplies the programs.  Program (m, bh, s) takes key tiles
+    [s * c, (s + 1) * c) of the tile's visible ones, c = cdiv(visible tiles, SPLITS), and writes its
+    normalized partial output (float32) to O_PART[s, bh] (SPLITS, BH, Nq, d) and its base-2 logsumexp
+    (-inf for an empty chunk) to L_PART[s, bh] (SPLITS, BH, Nq); `flash_fwd_combine_kernel` merges them.
     A chunk holding only keys above a row's diagonal (BLOCK_M > BLOCK_N) leaves that row with m = MASKED,
     so its masked scores count as exp2(0) = 1 and its partial is garbage, but its L is ~MASKED (-1e6):
     weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
     """
+    pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    acc, l_i, m_i, offs_m, offs_d = _fwd_rows(
-        Q, K, V, bh, tl.program_id(0) * BLOCK_M, stride_qb, stride_qn, stride_kb, stride_kn, stride_vb,
-        stride_vn, n_queries, n_keys, qk_scale, split, SPLITS, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+    n_bh = tl.num_programs(1)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = offs_m[:, None] < n_queries
+    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
+    k_base = K + bh * stride_kb
+    v_base = V + bh * stride_vb
+
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        full_end = tl.minimum(start_m, n_keys) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_keys
+        full_end = n_keys // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi, BLOCK_N), SPLITS) * BLOCK_N
+    lo = tl.minimum(split * chunk, hi)
+    end = tl.minimum(lo + chunk, hi)
+    # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
+    mid = tl.maximum(tl.minimum(full_end, end), lo)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    part = (split * tl.num_programs(1) + bh) * n_queries
-    tl.store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=offs_m[:, None] < n_queries)
+    part = (split * n_bh + bh) * n_queries
+    tl.store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=q_rows)
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(L_PART + part + offs_m, lse2, mask=offs_m < n_queries)
 
