@@ -26,14 +26,14 @@ from cs336_systems.attention import triton_kernels as kernels
 
 causal = sys.argv[1] == "causal"
 consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
-          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4, "ATOMIC_DQ": False,
+          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4,
           "SOFT_EXP": int(sys.argv[2])}
 strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
 bf16 = "*bf16"
 
-def compile_(fn, pointers, ints, scales, **extra):
+def compile_(fn, pointers, ints, scales):
     names = set(fn.arg_names)
-    const = {n: c for n, c in {**consts, **extra}.items() if n in names}
+    const = {n: c for n, c in consts.items() if n in names}
     sig = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     for stage in ("ttir", "ttgir"):
@@ -42,16 +42,10 @@ def compile_(fn, pointers, ints, scales, **extra):
 
 compile_(kernels.flash_fwd_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "L": "*fp32"},
          strides + ["stride_ob", "stride_on", "n_queries", "n_keys"], ["qk_scale"])
-for atomic_dq in (False, True):
-    compile_(kernels.flash_bwd_dkdv_kernel,
-             {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16,
-              "DQ_ACC": "*fp32"},
-             strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
-                        "n_queries", "n_keys"], ["sm_scale", "qk_scale"], ATOMIC_DQ=atomic_dq)
-compile_(kernels.flash_bwd_preprocess_kernel, {"O": bf16, "DO": bf16, "Dvec": "*fp32", "DQ_ACC": "*fp32"},
-         ["stride_ob", "stride_on", "stride_dob", "stride_don", "n_queries"], [])
-compile_(kernels.flash_bwd_dq_convert_kernel, {"DQ_ACC": "*fp32", "DQ": bf16},
-         ["stride_dqb", "stride_dqn", "n_queries"], ["sm_scale"])
+compile_(kernels.flash_bwd_dkdv_kernel,
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
+                    "n_queries", "n_keys"], ["sm_scale", "qk_scale"])
 compile_(kernels.flash_bwd_dq_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
          strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",

@@ -128,41 +128,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     )
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct,
-         dq_acc: torch.Tensor | None = None) -> None:
-    """dk, dv (BH, Nk, d) written in place.  With ``dq_acc`` (float32 (BH, Nq, d), zeroed by `preprocess`)
-    the kernel also adds each key tile's unscaled share of dQ into it (atomic-dQ backward)."""
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct) -> None:
+    """dk, dv (BH, Nk, d) written in place."""
     bh, n_queries, d = q.shape
     n_keys = k.shape[1]
     sm_scale = 1.0 / math.sqrt(d)
     wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), bh)](
-        q, k, v, do, lse, delta, dk, dv, dk if dq_acc is None else dq_acc,
+        q, k, v, do, lse, delta, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         n_queries, n_keys, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), ATOMIC_DQ=dq_acc is not None,
-        SOFT_EXP=soft_exp("dkdv", q.dtype), **cfg.launch_kwargs(),
-    )
-
-
-ROWS_PER_PROGRAM = 64  # preprocess / convert: (64, d) tiles, memory-bound
-
-
-def preprocess(o, do, delta, dq_acc, wrap: Callable = direct) -> None:
-    """delta (BH, Nq) = rowsum(o * do) and dq_acc (BH, Nq, d) float32 zeroed, in place."""
-    bh, n_queries, d = o.shape
-    wrap(kernels.flash_bwd_preprocess_kernel)[(triton.cdiv(n_queries, ROWS_PER_PROGRAM), bh)](
-        o, do, delta, dq_acc, o.stride(0), o.stride(1), do.stride(0), do.stride(1), n_queries,
-        HEAD_DIM=d, BLOCK_M=ROWS_PER_PROGRAM, num_warps=4,
-    )
-
-
-def dq_convert(dq_acc, dq_out, wrap: Callable = direct) -> None:
-    """dq_out (BH, Nq, d) = dq_acc / sqrt(d) in dq_out's dtype."""
-    bh, n_queries, d = dq_out.shape
-    wrap(kernels.flash_bwd_dq_convert_kernel)[(triton.cdiv(n_queries, ROWS_PER_PROGRAM), bh)](
-        dq_acc, dq_out, dq_out.stride(0), dq_out.stride(1), n_queries, sm_scale=1.0 / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_M=ROWS_PER_PROGRAM, num_warps=4,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SOFT_EXP=soft_exp("dkdv", q.dtype),
+        **cfg.launch_kwargs(),
     )
 
 

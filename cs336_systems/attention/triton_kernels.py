@@ -265,15 +265,11 @@ def flash_fwd_combine_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, offs_m0, offs_d, stride_qn,
-               stride_don, start, end, n_queries, n_keys, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-               PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SOFT_EXP: tl.constexpr):
-    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form.
-
-    ATOMIC_DQ: also add this key tile's share of dQ (unscaled), dS K, into the float32 rows of dq_base
-    (row stride HEAD_DIM) with relaxed atomics: 5 matmuls per score instead of 7 with a separate dQ kernel.
-    """
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
+               start, end, n_queries, n_keys, qk_scale,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+               SOFT_EXP: tl.constexpr):
+    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
         if MASK:
@@ -296,33 +292,22 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, o
             pT = tl.where(visible, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        dsT = (pT * (dpT - delta[None, :])).to(qT.dtype)
-        dk += tl.dot(dsT, tl.trans(qT), input_precision=PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)  # (BLOCK_M, d)
-            dq_ptrs = dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-            if MASK:
-                tl.atomic_add(dq_ptrs, dq, mask=offs_m[:, None] < n_queries, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
 def flash_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Dvec, DK, DV, DQ_ACC,
+    Q, K, V, DO, L, Dvec, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dkb, stride_dkn, stride_dvb, stride_dvn,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, SOFT_EXP: tl.constexpr = 0,
+    PRECISION: tl.constexpr, SOFT_EXP: tl.constexpr = 0,
 ):
-    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles.
+    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics.
 
-    ATOMIC_DQ=False: dK and dV only, every output tile has one writer (dQ comes from `flash_bwd_dq_kernel`);
-    DQ_ACC is unused.  ATOMIC_DQ=True: each program also adds its key tile's share of dQ (unscaled) into
-    DQ_ACC, a zeroed float32 (BH, Nq, HEAD_DIM) buffer (`flash_bwd_preprocess_kernel`), which
-    `flash_bwd_dq_convert_kernel` scales and casts: one recomputation of P per score instead of two.
     Causal: key tile 0 is seen by every query, so program order is already longest-first.
     """
     start_n = tl.program_id(0) * BLOCK_N
@@ -339,7 +324,6 @@ def flash_bwd_dkdv_kernel(
     do_base = DO + bh * stride_dob
     l_base = L + bh * n_queries
     d_base = Dvec + bh * n_queries
-    dq_base = DQ_ACC + bh * n_queries * HEAD_DIM
 
     if CAUSAL:
         # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
@@ -351,61 +335,26 @@ def flash_bwd_dkdv_kernel(
         band_end = 0
     full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
     if CAUSAL:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, offs_m0, offs_d,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
                             stride_qn, stride_don, lo, band_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, HEAD_DIM, PRECISION, ATOMIC_DQ, SOFT_EXP)
+                            True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
     # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
     if start_n + BLOCK_N <= n_keys:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, offs_m0, offs_d,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
                             stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            False, CAUSAL, BLOCK_M, HEAD_DIM, PRECISION, ATOMIC_DQ, SOFT_EXP)
+                            False, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
     else:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, offs_m0, offs_d,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
                             stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, HEAD_DIM, PRECISION, ATOMIC_DQ, SOFT_EXP)
-    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, offs_n, offs_m0, offs_d,
+                            True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
+    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
                         stride_qn, stride_don, full_end, n_queries, n_queries, n_keys, qk_scale,
-                        True, CAUSAL, BLOCK_M, HEAD_DIM, PRECISION, ATOMIC_DQ, SOFT_EXP)
+                        True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
 
     tl.store(DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=cols)
     tl.store(DV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=cols)
-
-
-@triton.jit
-def flash_bwd_preprocess_kernel(
-    O, DO, Dvec, DQ_ACC, stride_ob, stride_on, stride_dob, stride_don, n_queries,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Grid (cdiv(Nq, BLOCK_M), BH): D = rowsum(O * dO) into Dvec (BH, Nq), and DQ_ACC's rows (float32,
-    (BH, Nq, HEAD_DIM)) zeroed: what the atomic-dQ dK/dV kernel reads and accumulates into."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m < n_queries
-    o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=rows[:, None], other=0.0)
-    do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
-    tl.store(Dvec + bh * n_queries + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows)
-    tl.store(DQ_ACC + (bh * n_queries + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=rows[:, None])
-
-
-@triton.jit
-def flash_bwd_dq_convert_kernel(
-    DQ_ACC, DQ, stride_dqb, stride_dqn, n_queries, sm_scale: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Grid (cdiv(Nq, BLOCK_M), BH): DQ = sm_scale * DQ_ACC in DQ's dtype."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < n_queries
-    acc = tl.load(DQ_ACC + (bh * n_queries + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows, other=0.0)
-    tl.store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
-             (acc * sm_scale).to(DQ.dtype.element_ty), mask=rows)
 
 
 @triton.jit

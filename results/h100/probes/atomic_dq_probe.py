@@ -7,6 +7,8 @@ relaxed float32 atomics, a convert (scale, cast): 5 matmuls and 1 exp2 per score
 atomic adds.  Each variant's backward kernels are timed alone (device time, L2 flushed before each round,
 the harness's warm-up), per tile configuration of the dK/dV kernel, and the gradients compared.
     PYTHONPATH=$PWD python results/h100/probes/atomic_dq_probe.py OUT_DIR
+Ran at commit 9d0bd97 (kernels, launchers and this script); the atomic path lost everywhere and was removed
+afterwards (results/h100/flash-attention-log.md, eighth session), so this script needs that commit to run.
 """
 
 import json
