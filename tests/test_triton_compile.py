@@ -26,8 +26,7 @@ from cs336_systems.attention import triton_kernels as kernels
 
 causal = sys.argv[1] == "causal"
 consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
-          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4,
-          "SOFT_EXP": int(sys.argv[2])}
+          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4}
 strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
 bf16 = "*bf16"
 
@@ -59,10 +58,9 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize(("causal", "soft_exp"), [("causal", 0), ("full", 0), ("causal", 1)])
-def test_kernels_compile_for_sm90_without_float64(causal, soft_exp):
-    """soft_exp=1: the kernels with the FMA-polynomial exp2 (inline PTX), which ptxas must accept."""
+@pytest.mark.parametrize("causal", ["causal", "full"])
+def test_kernels_compile_for_sm90_without_float64(causal):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, str(soft_exp)], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -34,21 +34,6 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-SOFT_EXP_ENV = "CS336_FLASH_SOFT_EXP"
-
-
-def soft_exp(kernel: str, dtype: torch.dtype) -> int:
-    """How many of every 4 exponentials `kernel` computes by the FMA polynomial (triton_kernels._exp2).
-
-    EXPERIMENT: read from CS336_FLASH_SOFT_EXP="fwd,dkdv,dq" (e.g. "1,1,1"); 16-bit inputs on the GPU only
-    (inline PTX does not run in the interpreter; fp32 kernels are bound by their IEEE dots, not by exp2).
-    """
-    text = os.environ.get(SOFT_EXP_ENV)
-    if not text or dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return 0
-    return int(text.split(",")[("fwd", "dkdv", "dq").index(kernel)])
-
-
 SPLITS_ENV = "CS336_FLASH_SPLITS"
 MAX_KEY_SPLITS = 8
 MIN_TILES_PER_SPLIT = 2  # a chunk shorter than this many key tiles does not repay its partial write
@@ -109,8 +94,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             q, k, v, o_part, l_part,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, SOFT_EXP=soft_exp("fwd", q.dtype),
-            **cfg.launch_kwargs(),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, **cfg.launch_kwargs(),
         )
         combine_rows = 64 if d <= 64 else 32  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
@@ -123,8 +107,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         q, k, v, o, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first,
-        SOFT_EXP=soft_exp("fwd", q.dtype), **cfg.launch_kwargs(),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
 
 
@@ -138,8 +121,7 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         n_queries, n_keys, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SOFT_EXP=soft_exp("dkdv", q.dtype),
-        **cfg.launch_kwargs(),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), **cfg.launch_kwargs(),
     )
 
 
@@ -155,5 +137,5 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
         dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
         n_queries, k.shape[1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first,
-        SOFT_EXP=soft_exp("dq", q.dtype), **cfg.launch_kwargs(),
+        **cfg.launch_kwargs(),
     )

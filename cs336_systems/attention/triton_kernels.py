@@ -24,71 +24,10 @@ import triton.language as tl
 MASKED = tl.constexpr(-1.0e6)  # after scaling; exp2(MASKED - m) == 0 in float32 for any reachable m
 
 
-# Software exp2 (FlashAttention-4's trick, here for Hopper): the SM's transcendental unit (MUFU, which runs
-# ex2) issues 16 results per clock against 128 for FMAs, and at d <= 64 the kernels' exp2 costs about as
-# many clocks as their matmuls.  Computing some of the exponentials with FMAs moves that work to the
-# underused FMA pipe: 2^x = 2^j * 2^f, j = round(x) by the 1.5 * 2^23 trick, f in [-1/2, 1/2], 2^f by a
-# degree-4 polynomial (fitted for relative error: max 2.9e-6 in float32, against bf16's 3.9e-3 and fp16's
-# 4.9e-4 rounding of P), and 2^j added to the exponent field as an integer.  x is clamped at -125 so the
-# result stays a normal float (~2e-38 instead of 0 for masked scores: every kernel zeroes or outweighs them).
-# `_exp2` takes the elements four at a time (one asm block per 4 registers of a thread) and sends SOFT_EXP of
-# the four through the polynomial, the rest through ex2.approx.ftz (what tl.math.exp2 emits).
-_POLY_EXP2 = """{{
- .reg .f32 xc, t, j, f, p;
- .reg .b32 ti, pi;
- max.f32 xc, ${src}, 0fC2FA0000;
- add.rn.f32 t, xc, 0f4B400000;
- sub.rn.f32 j, t, 0f4B400000;
- sub.rn.f32 f, xc, j;
- fma.rn.f32 p, f, 0f3C1D0165, 0f3D64FE24;
- fma.rn.f32 p, p, f, 0f3E7601BC;
- fma.rn.f32 p, p, f, 0f3F317096;
- fma.rn.f32 p, p, f, 0f3F800000;
- mov.b32 ti, t;
- mov.b32 pi, p;
- shl.b32 ti, ti, 23;
- add.s32 pi, pi, ti;
- mov.b32 ${dst}, pi;
-}}"""
-
-
-def _exp2_asm(soft: int) -> str:
-    lanes = []
-    for lane in range(4):
-        if lane >= 4 - soft:
-            lanes.append(_POLY_EXP2.format(src=lane + 4, dst=lane))
-        else:
-            lanes.append(f"ex2.approx.ftz.f32 ${lane}, ${lane + 4};")
-    return "\n".join(lanes)
-
-
-EXP2_SOFT1 = tl.constexpr(_exp2_asm(1))
-EXP2_SOFT2 = tl.constexpr(_exp2_asm(2))
-EXP2_SOFT3 = tl.constexpr(_exp2_asm(3))
-EXP2_SOFT4 = tl.constexpr(_exp2_asm(4))
-
-
-@triton.jit
-def _exp2(x, SOFT_EXP: tl.constexpr):
-    """2^x elementwise (float32); SOFT_EXP (0-4) of every 4 elements by the FMA polynomial above."""
-    if SOFT_EXP == 0:
-        y = tl.math.exp2(x)
-    elif SOFT_EXP == 1:
-        y = tl.inline_asm_elementwise(EXP2_SOFT1, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4)
-    elif SOFT_EXP == 2:
-        y = tl.inline_asm_elementwise(EXP2_SOFT2, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4)
-    elif SOFT_EXP == 3:
-        y = tl.inline_asm_elementwise(EXP2_SOFT3, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        y = tl.inline_asm_elementwise(EXP2_SOFT4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4)
-    return y
-
-
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
               start, end, n_keys, qk_scale,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-              SOFT_EXP: tl.constexpr):
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -103,12 +42,12 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
             s = tl.where(visible, qk * qk_scale, MASKED)  # base-2 units
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = _exp2(s - m_new[:, None], SOFT_EXP)
+            p = tl.math.exp2(s - m_new[:, None])
         else:
             # The scale is positive, so the row max can be taken before scaling; the scale and the
             # subtraction then fuse into one FMA per score (the softmax ALU work rivals the matmul at d <= 64).
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = _exp2(qk * qk_scale - m_new[:, None], SOFT_EXP)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
@@ -127,7 +66,7 @@ def flash_fwd_kernel(
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
     n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True, SOFT_EXP: tl.constexpr = 0,
+    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise.
 
@@ -160,9 +99,9 @@ def flash_fwd_kernel(
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
 
     o = acc / l_i[:, None]
     tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
@@ -176,7 +115,7 @@ def flash_fwd_split_kernel(
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
     n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr, SOFT_EXP: tl.constexpr = 0,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
 
@@ -219,9 +158,9 @@ def flash_fwd_split_kernel(
     # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
     mid = tl.maximum(tl.minimum(full_end, end), lo)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -267,8 +206,7 @@ def flash_fwd_combine_kernel(
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
                start, end, n_queries, n_keys, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-               SOFT_EXP: tl.constexpr):
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -284,7 +222,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
             lse = tl.load(l_base + offs_m) * 1.4426950408889634
             delta = tl.load(d_base + offs_m)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
-        pT = _exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :], SOFT_EXP)
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASK:
             visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
             if CAUSAL:
@@ -304,7 +242,7 @@ def flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dvb, stride_dvn,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SOFT_EXP: tl.constexpr = 0,
+    PRECISION: tl.constexpr,
 ):
     """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics.
 
@@ -335,21 +273,20 @@ def flash_bwd_dkdv_kernel(
         band_end = 0
     full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
     if CAUSAL:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
-                            stride_qn, stride_don, lo, band_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION)
     # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
     if start_n + BLOCK_N <= n_keys:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
-                            stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            False, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
+                            PRECISION)
     else:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
-                            stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
-    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d,
-                        stride_qn, stride_don, full_end, n_queries, n_queries, n_keys, qk_scale,
-                        True, CAUSAL, BLOCK_M, PRECISION, SOFT_EXP)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                            PRECISION)
+    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                        stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                        PRECISION)
 
     tl.store(DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=cols)
@@ -360,8 +297,7 @@ def flash_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
              start, end, n_keys, qk_scale,
-             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-             SOFT_EXP: tl.constexpr):
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dQ (unscaled) for one query tile over key tiles [start, end)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -371,7 +307,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, st
         else:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
-        p = _exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None], SOFT_EXP)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
@@ -390,7 +326,7 @@ def flash_bwd_dq_kernel(
     stride_dqb, stride_dqn, stride_ob, stride_on,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True, SOFT_EXP: tl.constexpr = 0,
+    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
 
@@ -425,8 +361,8 @@ def flash_bwd_dq_kernel(
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
     dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                  0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                  0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
     dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                  full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, SOFT_EXP)
+                  full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
     tl.store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
