@@ -149,8 +149,11 @@ SEARCH_SPACE = {
                               (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
+    # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
+    # 3-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
+    # and 32-key tiles lost every dQ measurement so far).
     ("dq", "half"): _configs((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                             (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3)),
+                             (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4)),
     ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
     # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
     ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
@@ -204,12 +207,16 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d32-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d32-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
     "d64-half-causal-n1024-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s2", "dq": "128x64w8s3"},
-    "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
-    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3"},
+    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s4"},
     # fwd and dq re-chosen by a same-run A/B in the harness (forward+backward, compiled, device time:
-    # 5.27 vs 5.45 ms for the tuner's first picks; results/h100/probes/wide-tune-probe-2026-11-21e.json).
-    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "128x64w8s3"},
-    "d64-half-causal-n65536-bh1": {"fwd": "128x64w4s3", "dkdv": "32x128w4s4", "dq": "64x64w4s3"},
+    # 5.27 vs 5.45 ms for the tuner's first picks; results/h100/probes/wide-tune-probe-2026-11-21e.json);
+    # dq again in the eighth session, 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled
+    # forward+backward 5.260 vs 5.297 ms interleaved (results/h100/run-2026-11-21-eighth-dq-tiles/).
+    # The d = 64, B*H = 1 dq entries changed with the same probe (kernel alone: N = 4096 0.034 vs 0.040 ms,
+    # N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
+    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
+    "d64-half-causal-n65536-bh1": {"fwd": "128x64w4s3", "dkdv": "32x128w4s4", "dq": "64x128w4s3"},
     "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
     "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
