@@ -9,7 +9,7 @@ in interleaved passes (A B C D, A B C D: clocks drift under sustained load), dev
 harness's warm-up; gradients/outputs compared with SOFT = 0.  Then the compiled forward+backward of the
 whole Function with the best SOFT per kernel against SOFT = 0, interleaved.
     PYTHONPATH=$PWD python results/h100/probes/soft_exp_probe.py OUT_DIR
-Ran at commit 846087f (kernels with the SOFT_EXP switch, and this script).  All but one cell got slower (the
+Ran at commit 846087f (kernels with the SOFT_EXP switch, and this script).  25 of 27 cells got slower (the
 compiled forward+backward part then failed: inductor embeds a kernel's source in a triple-quoted string and
 the PTX template's escaped newline broke it), so the polynomial was removed; see flash-attention-log.md.
 """
