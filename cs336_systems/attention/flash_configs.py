@@ -150,7 +150,7 @@ SEARCH_SPACE = {
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
     # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
-    # 3-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
+    # 2.6-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
     # and 32-key tiles lost every dQ measurement so far).
     ("dq", "half"): _configs((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                              (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4)),
