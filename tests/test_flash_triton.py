@@ -288,3 +288,96 @@ def test_backward_is_two_launches_dq_first():
     do = torch.randn_like(o)
     flash_triton._backward(q3, k3, v3, o, lse, do, True, wrap=counting)
     assert launched == [triton_kernels.flash_bwd_dq_kernel, triton_kernels.flash_bwd_dkdv_kernel]
+
+
+class _RecordingWrap:
+    """`wrap` for the launchers: launches the kernel and records the TMA flag it was launched with."""
+
+    def __init__(self):
+        self.tma = []
+
+    def __call__(self, kernel):
+        record = self.tma
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    record.append(kwargs.get("TMA"))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Launcher()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    bh=st.sampled_from([1, 3]),
+    nq=st.integers(1, 170),
+    nk=st.integers(1, 170),
+    d=st.sampled_from([16, 32]),
+    is_causal=st.booleans(),
+    splits=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, splits, dtype, seed):
+    """The forward (plain and key-split) and dQ kernels with K and V streamed through tensor descriptors
+    give exactly what the pointer loads give: same tiles, same order, only the load path differs.  Several
+    slices check each slice's descriptor row offset; ragged N checks that the masked tiles (pointer loads
+    in both variants) and the unmasked ones (descriptors) split the key range right."""
+    from cs336_systems.attention import flash_launch
+    from cs336_systems.attention.flash_configs import TileConfig
+
+    q, k, v = (t.detach().reshape(bh, -1, d) for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
+    do = torch.randn_like(q)
+    cfg = TileConfig(32, 32, 4, 1)
+    results = {}
+    for tma in (False, True):
+        wrap = _RecordingWrap()
+        o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
+        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma)
+        delta, dq = torch.empty_like(lse), torch.empty_like(q)
+        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma)
+        assert all(flag is tma for flag in wrap.tma if flag is not None) and tma in wrap.tma
+        results[tma] = (o, lse, delta, dq)
+    for a, b in zip(results[False], results[True]):
+        # default tolerances: a few ulps (the interpreter's numpy matmul sums a transposed operand in another order)
+        torch.testing.assert_close(a, b)
+
+
+def test_tma_is_used_only_where_descriptors_fit(monkeypatch):
+    from cs336_systems.attention import flash_launch
+
+    t = torch.randn(2, 64, 32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert flash_launch.use_tma(t)  # the interpreter runs the descriptor path, so the CPU tests cover it
+    assert not flash_launch.use_tma(t.transpose(0, 1).contiguous().transpose(0, 1))  # rows not (BH * N, d)
+    assert not flash_launch.use_tma(torch.randn(2, 64, 33)[..., :32])  # row stride 33: not contiguous
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")
+    assert not flash_launch.use_tma(t)
+    monkeypatch.setenv("CS336_FLASH_TMA", "yes")
+    with pytest.raises(ValueError, match="CS336_FLASH_TMA must be 0 or 1, got 'yes'"):
+        flash_launch.use_tma(t)
+    monkeypatch.delenv("CS336_FLASH_TMA")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not flash_launch.use_tma(t)  # a CPU tensor outside the interpreter never reaches a kernel
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_compiled_fullgraph_traces_the_registered_ops(is_causal):
+    """torch.compile(fullgraph=True) through the custom ops' fake implementations (AOTAutograd traces the
+    forward and backward graphs on fake tensors), then runs the real ops: the same results as eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True, backend="aot_eager")
+    q, k, v = random_qkv((1, 2), 70, 70, 32, torch.float32, DEVICE, seed=9)
+    out = compiled(q, k, v, is_causal)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = FlashAttentionTriton.apply(q, k, v, is_causal)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=0, atol=0)

@@ -1,8 +1,11 @@
 """Launchers of the FlashAttention-2 Triton kernels, one per kernel, with an explicit tile configuration.
 
 Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  `wrap` is applied to
-each kernel before launching it: `torch.library.wrap_triton` inside the registered ops (so
-torch.compile traces the launch), the identity on the eager fast path and in the autotuner.
+each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
+
+On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
+descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's
+`triton_op` tracing cannot bind a descriptor argument under torch.compile).
 
 The softmax scales are constexprs: inductor passes Python floats to user kernels as fp64 scalars,
 which once turned every score tile's multiply into fp64 (see results/h100/flash-attention-log.md).
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention import triton_kernels as kernels
 from cs336_systems.attention.flash_configs import TileConfig
@@ -32,6 +36,38 @@ def direct(kernel):
 def precision(dtype: torch.dtype) -> str:
     """IEEE fp32 dots for fp32 inputs (TF32 would lose fp32 accuracy); ignored for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+TMA_ENV = "CS336_FLASH_TMA"
+
+
+def use_tma(t: torch.Tensor) -> bool:
+    """Whether the forward and dQ kernels load `t`'s (K or V) unmasked tiles through a tensor descriptor.
+
+    Yes on sm_90+ GPUs and under the interpreter (so the CPU tests run that path), when `t` (BH, N, d) is
+    contiguous (the descriptor covers its BH * N rows of d), 16-byte aligned (a TMA requirement) and its
+    row count fits the descriptor's int32 coordinates; otherwise the pointer loads.
+    ``CS336_FLASH_TMA=0`` forces pointer loads everywhere (for same-run A/B measurements).
+    """
+    forced = os.environ.get(TMA_ENV, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    if t.device.type == "cuda":
+        if torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[0] * t.shape[1] < 2**31
+
+
+def _row_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, tma: bool):
+    """(K_DESC, V_DESC) over the (BH * N, d) rows with (block_n, d) boxes, or (None, None)."""
+    if not tma:
+        return None, None
+    bh, n, d = k.shape
+    return tuple(TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [block_n, d]) for t in (k, v))
 
 
 SPLITS_ENV = "CS336_FLASH_SPLITS"
@@ -75,26 +111,30 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-            cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None) -> None:
+            cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
+            tma: bool | None = None) -> None:
     """o (BH, Nq, d) and lse (BH, Nq) written in place.
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
+    ``tma``: stream K and V through descriptors (None: `use_tma`).
     """
     bh, n_queries, d = q.shape
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
+    tma = use_tma(k) and use_tma(v) if tma is None else tma
+    k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
         wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
-            q, k, v, o_part, l_part,
+            q, k, v, o_part, l_part, k_desc, v_desc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, **cfg.launch_kwargs(),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, **cfg.launch_kwargs(),
         )
         combine_rows = 64 if d <= 64 else 32  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
@@ -104,10 +144,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         return
     grid = (triton.cdiv(n_queries, cfg.block_m), bh)
     wrap(kernels.flash_fwd_kernel)[grid](
-        q, k, v, o, lse,
+        q, k, v, o, lse, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
+        **cfg.launch_kwargs(),
     )
 
 
@@ -126,16 +167,18 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
 
 
 def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
-       longest_first: bool = True, *, o: torch.Tensor) -> None:
+       longest_first: bool = True, *, o: torch.Tensor, tma: bool | None = None) -> None:
     """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
-    kernel reads: launch this one first)."""
+    kernel reads: launch this one first).  ``tma`` as in `forward`."""
     bh, n_queries, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
+    tma = use_tma(k) and use_tma(v) if tma is None else tma
+    k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
-        q, k, v, do, lse, delta, dq_out, o,
+        q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
         n_queries, k.shape[1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), LONGEST_FIRST=longest_first,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
         **cfg.launch_kwargs(),
     )

@@ -9,9 +9,12 @@ Backward: a dQ kernel (Q, dO resident, loop over key tiles) that first computes 
 query rows and stores it, then a dK/dV kernel (K, V resident, loop over query tiles) that reads D: two
 launches, every output tile has exactly one writer, no atomics.
 
-The kernels are registered as `torch.library.triton_op`s (cs336::flash_attn_fwd / _bwd) and launched
-through `wrap_triton`, so `torch.compile(FlashAttentionTriton.apply, fullgraph=True)` traces them as
-opaque ops without graph breaks.  An eager call on plain tensors (nothing tracing) launches the same
+The launches are registered as `torch.library.custom_op`s (cs336::flash_attn_fwd / _bwd) with fake
+(shape-only) implementations, so `torch.compile(FlashAttentionTriton.apply, fullgraph=True)` traces them as
+opaque ops without graph breaks and calls them at run time.  Not `triton_op` + `wrap_triton` (inductor
+launching the kernels itself): on Hopper the launches take host-side TMA descriptors, which torch 2.11
+cannot trace inside a `triton_op` (results/h100/flash-attention-log.md, eighth session); the price is the
+custom-op dispatch on the host, not device time.  An eager call on plain tensors (nothing tracing) launches the same
 kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most of the call.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
@@ -27,13 +30,12 @@ fp32 results stay at fp32 accuracy.
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op, wrap_triton
 
 from cs336_systems.attention import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.flash_autotune import interpreter_active, select
-from cs336_systems.attention.flash_configs import HEAD_DIMS
 from cs336_systems.attention.flash_launch import direct
+from cs336_systems.attention.flash_configs import HEAD_DIMS
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 
@@ -67,19 +69,29 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct):
     return dq, dk, dv
 
 
-@triton_op("cs336::flash_attn_fwd", mutates_args={})
+@torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (BH, Nq, d), k, v: (BH, Nk, d), unit stride on d -> (o (BH, Nq, d), L (BH, Nq) float32)."""
-    return _forward(q, k, v, is_causal, wrap_triton)
+    return _forward(q, k, v, is_causal)
 
 
-@triton_op("cs336::flash_attn_bwd", mutates_args={})
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, is_causal):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attn_fwd; all tensors (BH, N, d) with unit stride on d, lse (BH, Nq)."""
-    return _backward(q, k, v, o, lse, do, is_causal, wrap_triton)
+    return _backward(q, k, v, o, lse, do, is_causal)
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _eager(t: torch.Tensor) -> bool:

@@ -12,8 +12,11 @@ diagonal band and the ragged end), so only those pay for the index comparison.  
 above the diagonal are never visited.  Masked scores get a large finite negative value instead of
 -inf, so a row's running max is always finite and no NaN can arise from (-inf) - (-inf).
 
-Pointer arithmetic only (no tl.make_block_ptr, which triton 3.9 removed), so one source runs in the
-interpreter (TRITON_INTERPRET=1) and compiled on the GPU.
+Loads are pointer arithmetic (no tl.make_block_ptr, which triton 3.9 removed), so one source runs in the
+interpreter (TRITON_INTERPRET=1) and compiled on the GPU; with TMA=True the forward and dQ kernels take
+their streamed K and V tiles outside the masked band through host-side tensor descriptors over the
+(BH * Nk, d) rows (Hopper's TMA engine: one bulk copy per tile, no per-thread address math; the
+interpreter emulates them).  K_DESC and V_DESC are None when TMA=False.
 """
 
 from __future__ import annotations
@@ -25,14 +28,21 @@ MASKED = tl.constexpr(-1.0e6)  # after scaling; exp2(MASKED - m) == 0 in float32
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
               start, end, n_keys, qk_scale,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end)."""
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
+    """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end).
+
+    TMA: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor descriptors,
+    row row0 + start_n; masked tiles (diagonal band, ragged end) always use pointer loads with bounds masks.
+    """
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+        elif TMA:
+            k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N): K^T, transposed in shared memory
         else:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
         qk = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
@@ -52,6 +62,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < n_keys, other=0.0)
+        elif TMA:
+            v = v_desc.load([row0 + start_n, 0])
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
         # P is cast to V's dtype before the second matmul (FA2): bf16/fp16 tensor-core inputs.
@@ -62,11 +74,11 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_
 
 @triton.jit
 def flash_fwd_kernel(
-    Q, K, V, O, L,
+    Q, K, V, O, L, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
     n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise.
 
@@ -86,6 +98,7 @@ def flash_fwd_kernel(
     q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_vb
+    row0 = (bh * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,10 +111,10 @@ def flash_fwd_kernel(
     else:
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
 
     o = acc / l_i[:, None]
     tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
@@ -111,11 +124,11 @@ def flash_fwd_kernel(
 
 @triton.jit
 def flash_fwd_split_kernel(
-    Q, K, V, O_PART, L_PART,
+    Q, K, V, O_PART, L_PART, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
     n_queries, n_keys, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
 
@@ -141,6 +154,7 @@ def flash_fwd_split_kernel(
     q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_vb
+    row0 = (bh * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -157,10 +171,10 @@ def flash_fwd_split_kernel(
     end = tl.minimum(lo + chunk, hi)
     # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
     mid = tl.maximum(tl.minimum(full_end, end), lo)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
+                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -295,15 +309,19 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-             start, end, n_keys, qk_scale,
-             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dQ (unscaled) for one query tile over key tiles [start, end)."""
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn,
+             stride_vn, start, end, n_keys, qk_scale,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+             TMA: tl.constexpr):
+    """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA: as in `_fwd_tile`)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+        elif TMA:
+            kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N)
+            vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
@@ -321,12 +339,12 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, st
 
 @triton.jit
 def flash_bwd_dq_kernel(
-    Q, K, V, DO, L, Dvec, DQ, O,
+    Q, K, V, DO, L, Dvec, DQ, O, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dqb, stride_dqn, stride_ob, stride_on,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
 
@@ -353,6 +371,7 @@ def flash_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = K + bh * stride_kb
     v_base = V + bh * stride_vb
+    row0 = (bh * n_keys).to(tl.int32)
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
@@ -360,9 +379,9 @@ def flash_bwd_dq_kernel(
     else:
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
-    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                  0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION)
-    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                  full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION)
+    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
+                  stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
+                  stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
     tl.store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
