@@ -38,12 +38,16 @@ BH_BUCKETS = (1, 4, 16, 64)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth."""
+    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth, and whether
+    the forward / dQ kernel streams K and V through TMA descriptors (`flash_launch.use_tma` decides whether
+    the tensors allow it; the dK/dV kernel has no descriptor path and ignores the flag).  Text form:
+    "64x128w4s3", with a trailing "t" for TMA ("64x128w4s3t")."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -59,16 +63,17 @@ class TileConfig:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{'t' if self.tma else ''}"
 
     @classmethod
     def parse(cls, text: str) -> TileConfig:
-        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3)."""
+        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=True)."""
         try:
-            tiles, rest = text.split("w")
+            tma = text.endswith("t")
+            tiles, rest = text.removesuffix("t").split("w")
             warps, stages = rest.split("s")
             block_m, block_n = tiles.split("x")
-            return cls(int(block_m), int(block_n), int(warps), int(stages))
+            return cls(int(block_m), int(block_n), int(warps), int(stages), tma)
         except ValueError as exc:
             raise ValueError(f"tile config {text!r} is not of the form <BLOCK_M>x<BLOCK_N>w<warps>s<stages>: {exc}") from None
 
@@ -118,7 +123,9 @@ class ShapeKey:
             raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32>-<causal|full>-n<N>-bh<BH>: {exc}") from None
 
 
-INTERPRETER = {kernel: TileConfig(32, 32, 4, 1) for kernel in KERNELS}
+# TMA on for forward and dQ so that the property tests run the descriptor path (the interpreter emulates it);
+# non-contiguous inputs still take the pointer loads.
+INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, True), "dkdv": TileConfig(32, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1, True)}
 
 
 def default_config(key: ShapeKey) -> dict[str, TileConfig]:

@@ -119,13 +119,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
-    ``tma``: stream K and V through descriptors (None: `use_tma`).
+    ``tma``: stream K and V through descriptors (None: the configuration's flag, where `use_tma` allows it).
     """
     bh, n_queries, d = q.shape
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tma = use_tma(k) and use_tma(v) if tma is None else tma
+    tma = cfg.tma and use_tma(k) and use_tma(v) if tma is None else tma
     k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
@@ -172,7 +172,7 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     kernel reads: launch this one first).  ``tma`` as in `forward`."""
     bh, n_queries, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
-    tma = use_tma(k) and use_tma(v) if tma is None else tma
+    tma = cfg.tma and use_tma(k) and use_tma(v) if tma is None else tma
     k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,

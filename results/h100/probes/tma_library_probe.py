@@ -7,8 +7,11 @@ shape about -0.2 ms (5.26 -> ~5.06).
 
 1. Each kernel alone, TMA on and off (the launchers' `tma` flag), at a few tiles per shape, two interleaved
    passes (device time, L2 flushed, harness warm-up); outputs compared with the pointer kernel's.
-2. The compiled forward+backward at the leaderboard shape with CS336_FLASH_TMA=0 and unset, interleaved
-   A B A B, 50 rounds each (the custom op reads the variable per call, so both share one compiled graph).
+2. The compiled forward+backward at the leaderboard shape, committed tiles with pointer loads vs the same
+   tiles with TMA in forward and dQ, interleaved A B A B, 50 rounds each.
+First run (`run-2026-11-22-ninth-tma-library/`) at commit c783805 (TMA wherever allowed, chosen by the
+CS336_FLASH_TMA variable in step 2); second (`run-2026-11-22-ninth-tma-library-2/`) after the dQ kernel
+stopped transposing the descriptor's K tile twice and TMA became a per-configuration flag.
     PYTHONPATH=$PWD python results/h100/probes/tma_library_probe.py OUT_DIR
 """
 
@@ -19,13 +22,15 @@ import sys
 import torch
 
 from cs336_systems import benchmarking
-from cs336_systems.attention import flash_triton
+from cs336_systems.attention import flash_autotune, flash_configs, flash_triton
 from cs336_systems.attention import flash_launch as launch
-from cs336_systems.attention.flash_configs import TileConfig
+from cs336_systems.attention.flash_configs import ShapeKey, TileConfig
 from cs336_systems.attention_workloads import attention_step
 
 SHAPES = {"leaderboard": (16, 16384, 64), "bh16-n16384-d128": (16, 16384, 128), "bh1-n65536-d64": (1, 65536, 64),
           "bh1-n16384-d64": (1, 16384, 64), "bh1-n4096-d64": (1, 4096, 64), "bh1-n4096-d128": (1, 4096, 128)}
+if len(sys.argv) > 2:  # a comma-separated subset, and only these kernels: e.g. "leaderboard,bh1-n65536-d64" "dq"
+    SHAPES = {name: SHAPES[name] for name in sys.argv[2].split(",")}
 TILES = {
     "fwd": ["64x128w4s3", "128x64w4s3", "64x64w4s3", "128x128w8s2", "128x64w8s3"],
     "dq": ["64x128w4s3", "64x128w4s4", "128x64w8s3", "128x128w8s2", "64x64w4s3"],
@@ -53,6 +58,8 @@ def kernels(out):
         row = {"committed": {kern: sel[kern].short() for kern in runs}, "ms": {}, "rel_err": {}, "errors": {}}
         variants = {}
         for kern, fn in runs.items():
+            if len(sys.argv) > 3 and kern not in sys.argv[3].split(","):
+                continue
             tiles = [sel[kern].short()] + [t for t in TILES[kern] if t != sel[kern].short()]
             for text in tiles:
                 cfg = TileConfig.parse(text)
@@ -78,22 +85,28 @@ def kernels(out):
 
 
 def fwd_bwd(out):
-    times = {"ptr": [], "tma": []}
+    """Committed tiles with pointer loads vs the same tiles with TMA in forward and dQ (the configuration flag)."""
+    import dataclasses
+
+    key = ShapeKey.of(16, 16384, 16384, 64, torch.bfloat16, True)
+    committed = flash_configs.tuned_for_device(key, torch.device("cuda"))
+    variants = {"ptr": {kern: dataclasses.replace(c, tma=False) for kern, c in committed.items()},
+                "tma": {kern: dataclasses.replace(c, tma=kern != "dkdv") for kern, c in committed.items()}}
+    times = {v: [] for v in variants}
     setup = lambda: attention_step(impl="flash-triton", batch_size=1, heads=16, seq_len=16384, head_dim=64,
                                    dtype="bf16", causal=True, mode="forward-backward", compile=True,
                                    device="cuda", check=True)
     for _ in range(2):
-        for label in times:
-            if label == "ptr":
-                os.environ[launch.TMA_ENV] = "0"
-            else:
-                os.environ.pop(launch.TMA_ENV, None)
+        for label, cfg in variants.items():
+            flash_autotune._selected.clear()
+            flash_autotune._selected[(key, "cuda:0")] = cfg
             m = benchmarking.measure(setup, warmup=10, rounds=50, device="cuda",
                                      before_each=benchmarking.L2Flush("cuda"), timing="device")
             times[label].append(round(m.stats.median * 1e3, 4))
             print("fwd+bwd compiled", label, times[label], flush=True)
-    os.environ.pop(launch.TMA_ENV, None)
+    flash_autotune._selected.clear()
     out["fwd_bwd_compiled_ms"] = times
+    out["fwd_bwd_configs"] = {v: {kern: c.short() for kern, c in cfg.items()} for v, cfg in variants.items()}
 
 
 def main(out_dir):
