@@ -86,6 +86,9 @@ def test_gpu_every_committed_config_matches_float64():
 def test_tile_config_text_round_trip_and_validation():
     cfg = TileConfig(128, 32, 8, 3)
     assert TileConfig.parse(cfg.short()) == cfg
+    tma = TileConfig(64, 128, 4, 3, tma=True)
+    assert tma.short() == "64x128w4s3t" and TileConfig.parse("64x128w4s3t") == tma
+    assert "tma" not in tma.launch_kwargs()  # the launchers turn it into descriptors, not a kernel argument
     with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16 \(tl.dot.s minimum\); got 48"):
         TileConfig(48, 64, 4, 2)
     with pytest.raises(ValueError, match="num_warps .* got 3"):
