@@ -152,15 +152,22 @@ def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
 # FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
 # from an empty cache (every candidate compiled once) stays well under a minute.
 SEARCH_SPACE = {
+    # "t": K/V through TMA descriptors (ninth session, results/h100/run-2026-11-22-ninth-tma-library/): forward
+    # 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096, so
+    # only where measured to win.  64 x 32 left for it (never chosen).
     ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
-                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)),
+                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, True)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
     # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
     # 2.6-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
     # and 32-key tiles lost every dQ measurement so far).
-    ("dq", "half"): _configs((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                             (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4)),
+    # TMA dQ (ninth session): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
+    # N 16384 (against the best pointer tile) but +26-28% at the leaderboard shape and at N 65536; the
+    # 128 x 32 tiles left for them (never chosen).
+    ("dq", "half"): _configs((128, 64, 8, 3, True), (64, 128, 4, 3, True), (128, 64, 8, 3), (128, 64, 8, 2),
+                             (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3),
+                             (64, 128, 4, 4)),
     ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
     # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
     ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
@@ -215,19 +222,25 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d32-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
     "d64-half-causal-n1024-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s2", "dq": "128x64w8s3"},
     "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3"},
-    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s4"},
+    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3t"},
     # fwd and dq re-chosen by a same-run A/B in the harness (forward+backward, compiled, device time:
     # 5.27 vs 5.45 ms for the tuner's first picks; results/h100/probes/wide-tune-probe-2026-11-21e.json);
     # dq again in the eighth session, 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled
     # forward+backward 5.260 vs 5.297 ms interleaved (results/h100/run-2026-11-21-eighth-dq-tiles/).
     # The d = 64, B*H = 1 dq entries changed with the same probe (kernel alone: N = 4096 0.034 vs 0.040 ms,
     # N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
-    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
-    "d64-half-causal-n65536-bh1": {"fwd": "128x64w4s3", "dkdv": "32x128w4s4", "dq": "64x128w4s3"},
+    # Ninth session (results/h100/run-2026-11-22-ninth-tma-library*/, each kernel alone, two runs of two
+    # passes): TMA forward at the leaderboard shape 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward
+    # 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208 and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280;
+    # N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4 0.112-0.119.
+    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
+    "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "128x64w8s3t"},
     "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
-    "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
+    # d = 128 dQ re-measured in the ninth session (pointer loads; two runs of two passes): N 4096 64x128w4s3
+    # 0.0503-0.0505 vs 64x64w4s3 0.0543-0.0544 ms; B*H 16, N 16384 128x64w8s3 2.45-2.59 vs 128x128w8s2 2.72-2.85.
+    "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
     "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
-    "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x128w8s2"},
+    "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
     "d128-half-causal-n65536-bh1": {"fwd": "64x64w4s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
 }
 
