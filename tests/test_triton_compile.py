@@ -25,8 +25,12 @@ from triton.compiler import ASTSource
 from cs336_systems.attention import triton_kernels as kernels
 
 causal = sys.argv[1] == "causal"
+tma = sys.argv[2] == "tma"
 consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
-          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4}
+          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4, "TMA": tma, "EVEN": tma}
+descs = ["K_DESC", "V_DESC", "Q_DESC", "DO_DESC"]
+if not tma:
+    consts.update({name: None for name in descs})
 strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
 bf16 = "*bf16"
 
@@ -34,6 +38,8 @@ def compile_(fn, pointers, ints, scales):
     names = set(fn.arg_names)
     const = {n: c for n, c in consts.items() if n in names}
     sig = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
+    if tma:
+        sig.update({n: "tensordesc<bf16[64, 64]>" for n in descs if n in names})
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     for stage in ("ttir", "ttgir"):
         if "f64" in compiled.asm[stage]:
@@ -58,9 +64,10 @@ print("compiled")
 """
 
 
+@pytest.mark.parametrize("loads", ["pointers", "tma"])  # "tma": descriptor loads and the full-tile dK/dV
 @pytest.mark.parametrize("causal", ["causal", "full"])
-def test_kernels_compile_for_sm90_without_float64(causal):
+def test_kernels_compile_for_sm90_without_float64(causal, loads):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, causal], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
