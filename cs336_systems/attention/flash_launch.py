@@ -3,7 +3,7 @@
 Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  `wrap` is applied to
 each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
 
-On Hopper the kernels can stream their loop operands through host-side TMA descriptors (`use_tma`); the
+On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
 descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's
 `triton_op` tracing cannot bind a descriptor argument under torch.compile).
 
@@ -42,7 +42,7 @@ TMA_ENV = "CS336_FLASH_TMA"
 
 
 def use_tma(t: torch.Tensor) -> bool:
-    """Whether a kernel may load `t`'s tiles (K, V in forward and dQ; Q, dO in dK/dV) through a tensor descriptor.
+    """Whether the forward and dQ kernels load `t`'s (K or V) unmasked tiles through a tensor descriptor.
 
     Yes on sm_90+ GPUs and under the interpreter (so the CPU tests run that path), when `t` (BH, N, d) is
     contiguous (the descriptor covers its BH * N rows of d), 16-byte aligned (a TMA requirement) and its
@@ -63,8 +63,7 @@ def use_tma(t: torch.Tensor) -> bool:
 
 
 def _row_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, tma: bool):
-    """Descriptors of two (BH, N, d) tensors (K and V, or Q and dO) over their (BH * N, d) rows with
-    (block_n, d) boxes, or (None, None)."""
+    """(K_DESC, V_DESC) over the (BH * N, d) rows with (block_n, d) boxes, or (None, None)."""
     if not tma:
         return None, None
     bh, n, d = k.shape
@@ -153,31 +152,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     )
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct,
-         tma: bool | None = None, even: bool | None = None) -> None:
-    """dk, dv (BH, Nk, d) written in place.
-
-    ``tma``: Q and dO through descriptors (None: the configuration's flag, where `use_tma` allows it).
-    ``even``: compile the full-tiles-only variant (None: when Nq and Nk are multiples of the tile; False
-    forces the general kernel, for A/B measurements; True where the lengths are not multiples is an error).
-    """
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct) -> None:
+    """dk, dv (BH, Nk, d) written in place."""
     bh, n_queries, d = q.shape
     n_keys = k.shape[1]
     sm_scale = 1.0 / math.sqrt(d)
-    fits = n_queries % cfg.block_m == 0 and n_keys % cfg.block_n == 0
-    if even is None:
-        even = fits
-    elif even and not fits:
-        raise ValueError(f"even=True needs Nq % BLOCK_M == 0 and Nk % BLOCK_N == 0; got Nq={n_queries}, "
-                         f"Nk={n_keys}, tile {cfg.short()}")
-    tma = cfg.tma and use_tma(q) and use_tma(do) if tma is None else tma
-    q_desc, do_desc = _row_descriptors(q, do, cfg.block_m, tma)
     wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), bh)](
-        q, k, v, do, lse, delta, dk, dv, q_desc, do_desc,
+        q, k, v, do, lse, delta, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         n_queries, n_keys, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, EVEN=even, **cfg.launch_kwargs(),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), **cfg.launch_kwargs(),
     )
 
 

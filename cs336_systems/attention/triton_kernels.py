@@ -13,10 +13,10 @@ above the diagonal are never visited.  Masked scores get a large finite negative
 -inf, so a row's running max is always finite and no NaN can arise from (-inf) - (-inf).
 
 Loads are pointer arithmetic (no tl.make_block_ptr, which triton 3.9 removed), so one source runs in the
-interpreter (TRITON_INTERPRET=1) and compiled on the GPU; with TMA=True a kernel takes its streamed tiles
-(K and V in forward and dQ, Q and dO in dK/dV) through host-side tensor descriptors over the (BH * N, d)
-rows where the tile is known to be in bounds (Hopper's TMA engine: one bulk copy per tile, no per-thread
-address math; the interpreter emulates them).  The descriptor arguments are None when TMA=False.
+interpreter (TRITON_INTERPRET=1) and compiled on the GPU; with TMA=True the forward and dQ kernels take
+their streamed K and V tiles outside the masked band through host-side tensor descriptors over the
+(BH * Nk, d) rows (Hopper's TMA engine: one bulk copy per tile, no per-thread address math; the
+interpreter emulates them).  K_DESC and V_DESC are None when TMA=False.
 """
 
 from __future__ import annotations
@@ -218,89 +218,64 @@ def flash_fwd_combine_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, q_desc, do_desc, row0, l_base, d_base, offs_n, offs_m0, offs_d,
-               stride_qn, stride_don, start, end, n_queries, n_keys, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-               TMA: tl.constexpr, EVEN: tl.constexpr):
-    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form.
-
-    EVEN: every query and key tile is full (Nq % BLOCK_M == 0 == Nk % BLOCK_N), so the masked tiles need only
-    the causal comparison, no bounds.  TMA: Q and dO tiles through the (BH * Nq, d) descriptors, row
-    row0 + start_m; only in tiles known to be in bounds (unmasked ones, or any tile when EVEN).
-    """
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
+               start, end, n_queries, n_keys, qk_scale,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
-        if TMA and (EVEN or not MASK):
-            q = q_desc.load([row0 + start_m, 0])  # (BLOCK_M, d)
-            qT = tl.trans(q)
-            do = do_desc.load([row0 + start_m, 0])
-        elif MASK and not EVEN:
+        if MASK:
             rows = offs_m < n_queries
             qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], mask=rows[None, :], other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
+            lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+            delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
         else:
             qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None])  # (d, BLOCK_M)
             do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :])  # (BLOCK_M, d)
-        if MASK and not EVEN:
-            lse = tl.load(l_base + offs_m, mask=offs_m < n_queries, other=0.0) * 1.4426950408889634
-            delta = tl.load(d_base + offs_m, mask=offs_m < n_queries, other=0.0)
-        else:
             lse = tl.load(l_base + offs_m) * 1.4426950408889634
             delta = tl.load(d_base + offs_m)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
         pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASK:
-            if EVEN:
-                pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)  # only causal tiles are masked
-            else:
-                visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
-                if CAUSAL:
-                    visible = visible & (offs_m[None, :] >= offs_n[:, None])
-                pT = tl.where(visible, pT, 0.0)
+            visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
+            if CAUSAL:
+                visible = visible & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(visible, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
-        if TMA and (EVEN or not MASK):
-            dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
-        else:
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
 def flash_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Dvec, DK, DV, Q_DESC, DO_DESC,
+    Q, K, V, DO, L, Dvec, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dkb, stride_dkn, stride_dvb, stride_dvn,
     n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr = False, EVEN: tl.constexpr = False,
+    PRECISION: tl.constexpr,
 ):
     """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics.
 
     Causal: key tile 0 is seen by every query, so program order is already longest-first.
-    EVEN (full tiles only, see `_dkdv_tile`) also removes the ragged-key and ragged-query loops at compile
-    time; TMA streams Q and dO through descriptors (Q_DESC, DO_DESC; None when TMA=False).
     """
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    if EVEN:
-        k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :])
-        v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :])
-    else:
-        cols = offs_n[:, None] < n_keys
-        k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=cols, other=0.0)
-        v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=cols, other=0.0)
+    cols = offs_n[:, None] < n_keys
+    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=cols, other=0.0)
+    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=cols, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base = Q + bh * stride_qb
     do_base = DO + bh * stride_dob
     l_base = L + bh * n_queries
     d_base = Dvec + bh * n_queries
-    row0 = (bh * n_queries).to(tl.int32)  # this slice's first row in the (BH * Nq, d) descriptors
 
     if CAUSAL:
         # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
@@ -312,31 +287,25 @@ def flash_bwd_dkdv_kernel(
         band_end = 0
     full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
     if CAUSAL:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q_DESC, DO_DESC, row0, l_base, d_base, offs_n, offs_m0,
-                            offs_d, stride_qn, stride_don, lo, band_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, PRECISION, TMA, EVEN)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION)
     # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
-    if EVEN or start_n + BLOCK_N <= n_keys:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q_DESC, DO_DESC, row0, l_base, d_base, offs_n, offs_m0,
-                            offs_d, stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            False, CAUSAL, BLOCK_M, PRECISION, TMA, EVEN)
+    if start_n + BLOCK_N <= n_keys:
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
+                            PRECISION)
     else:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q_DESC, DO_DESC, row0, l_base, d_base, offs_n, offs_m0,
-                            offs_d, stride_qn, stride_don, band_end, full_end, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, PRECISION, TMA, EVEN)
-    if not EVEN:  # the ragged last query tile (empty when Nq % BLOCK_M == 0)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q_DESC, DO_DESC, row0, l_base, d_base, offs_n, offs_m0,
-                            offs_d, stride_qn, stride_don, full_end, n_queries, n_queries, n_keys, qk_scale,
-                            True, CAUSAL, BLOCK_M, PRECISION, TMA, EVEN)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                            PRECISION)
+    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                        stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                        PRECISION)
 
-    dk_ptrs = DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :]
-    if EVEN:
-        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty))
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < n_keys)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < n_keys)
+    tl.store(DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=cols)
+    tl.store(DV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=cols)
 
 
 @triton.jit
