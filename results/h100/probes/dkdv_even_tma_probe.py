@@ -9,6 +9,8 @@ Each variant alone, two interleaved passes, device time, L2 flushed, harness war
 the general kernel's.  Then the compiled forward+backward at the leaderboard shape: committed configuration
 vs the same with the best dK/dV variant, A B A B, 50 rounds each.
     PYTHONPATH=$PWD python results/h100/probes/dkdv_even_tma_probe.py OUT_DIR
+Ran at commit d10c6b7 (the `even` / `tma` launcher arguments of dK/dV); both variants lost or tied and were
+removed in the next commit, so this script needs that commit to run.
 """
 
 import dataclasses
