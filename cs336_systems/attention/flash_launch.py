@@ -55,19 +55,29 @@ def use_tma(t: torch.Tensor) -> bool:
     if forced == "0":
         return False
     if t.device.type == "cuda":
-        if torch.cuda.get_device_capability(t.device)[0] < 9:
+        if _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[0] * t.shape[1] < 2**31
 
 
-def _row_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, tma: bool):
-    """(K_DESC, V_DESC) over the (BH * N, d) rows with (block_n, d) boxes, or (None, None)."""
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: bool | None):
+    """(tma, K_DESC, V_DESC) for the forward and dQ launchers: ``tma`` None takes the configuration's flag
+    where `use_tma` allows it; the descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are
+    None without TMA."""
+    if tma is None:
+        tma = cfg.tma and use_tma(k) and use_tma(v)
     if not tma:
-        return None, None
+        return False, None, None
     bh, n, d = k.shape
-    return tuple(TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [block_n, d]) for t in (k, v))
+    k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [cfg.block_n, d]) for t in (k, v))
+    return True, k_desc, v_desc
 
 
 SPLITS_ENV = "CS336_FLASH_SPLITS"
@@ -125,8 +135,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tma = cfg.tma and use_tma(k) and use_tma(v) if tma is None else tma
-    k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
@@ -172,8 +181,7 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     kernel reads: launch this one first).  ``tma`` as in `forward`."""
     bh, n_queries, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
-    tma = cfg.tma and use_tma(k) and use_tma(v) if tma is None else tma
-    k_desc, v_desc = _row_descriptors(k, v, cfg.block_n, tma)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),

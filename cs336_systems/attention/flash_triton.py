@@ -14,8 +14,9 @@ The launches are registered as `torch.library.custom_op`s (cs336::flash_attn_fwd
 opaque ops without graph breaks and calls them at run time.  Not `triton_op` + `wrap_triton` (inductor
 launching the kernels itself): on Hopper the launches take host-side TMA descriptors, which torch 2.11
 cannot trace inside a `triton_op` (results/h100/flash-attention-log.md, eighth session); the price is the
-custom-op dispatch on the host, not device time.  An eager call on plain tensors (nothing tracing) launches the same
-kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most of the call.
+custom-op dispatch on the host, not device time.  An eager call on plain tensors (nothing tracing)
+launches the same kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most
+of the call.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
@@ -34,8 +35,8 @@ import torch
 from cs336_systems.attention import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.flash_autotune import interpreter_active, select
-from cs336_systems.attention.flash_launch import direct
 from cs336_systems.attention.flash_configs import HEAD_DIMS
+from cs336_systems.attention.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 

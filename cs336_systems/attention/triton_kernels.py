@@ -320,8 +320,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
         elif TMA:
-            k = k_desc.load([row0 + start_n, 0])  # (BLOCK_N, d)
-            kT = tl.trans(k)
+            kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N)
             vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
@@ -334,13 +333,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        if TMA and not MASK:
-            # the descriptor's tile itself, not trans(trans(tile)): with the double transpose Triton 3.6
-            # staged K through a second layout and the 64 x 128 dQ tile ran 27% slower than pointer loads
-            # (results/h100/run-2026-11-22-ninth-tma-library/)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        else:
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)
     return dq
 
 

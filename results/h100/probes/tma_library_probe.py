@@ -10,8 +10,9 @@ shape about -0.2 ms (5.26 -> ~5.06).
 2. The compiled forward+backward at the leaderboard shape, committed tiles with pointer loads vs the same
    tiles with TMA in forward and dQ, interleaved A B A B, 50 rounds each.
 First run (`run-2026-11-22-ninth-tma-library/`) at commit c783805 (TMA wherever allowed, chosen by the
-CS336_FLASH_TMA variable in step 2); second (`run-2026-11-22-ninth-tma-library-2/`) after the dQ kernel
-stopped transposing the descriptor's K tile twice and TMA became a per-configuration flag.
+CS336_FLASH_TMA variable in step 2); second (`run-2026-11-22-ninth-tma-2/`) at commit de55c54, dQ kernel only,
+where the dQ kernel used the descriptor's K tile untransposed (no change measured; reverted afterwards) and
+TMA had become a per-configuration flag.
     PYTHONPATH=$PWD python results/h100/probes/tma_library_probe.py OUT_DIR
 """
 
