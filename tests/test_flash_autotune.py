@@ -70,8 +70,9 @@ def test_natural_order_gives_the_same_result():
 
 
 @pytest.mark.gpu
-def test_gpu_every_committed_config_matches_float64():
-    """Each TUNED_SM90 entry, at a ragged length near its bucket (capped), its dtype, causal as keyed."""
+def test_gpu_every_committed_config_matches_float64(monkeypatch):
+    """Each TUNED_SM90 entry, at a ragged length near its bucket (capped), its dtype and fp32 arithmetic,
+    causal as keyed."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("TUNED_SM90 applies to sm_90 only")
     assert flash_configs.TUNED_SM90, "no committed configurations to check"
@@ -79,7 +80,8 @@ def test_gpu_every_committed_config_matches_float64():
         key = ShapeKey.parse(text)
         cfgs = {kernel: TileConfig.parse(c) for kernel, c in entry.items()}
         n = min(key.n_bucket, 2048) - 37
-        dtype = torch.float32 if key.dtype == "fp32" else torch.bfloat16
+        monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee" if key.dtype == "fp32ieee" else "tf32x3")
+        dtype = torch.bfloat16 if key.dtype == "half" else torch.float32
         _check_against_float64(cfgs, 2, n, n, key.head_dim, dtype, key.causal)
 
 
@@ -105,17 +107,21 @@ def test_shape_key_buckets():
     assert ShapeKey.of(1000, 10**6, 10, 32, torch.float32, True).n_bucket == 65536
     assert ShapeKey.of(1000, 10, 10, 32, torch.float32, True).bh_bucket == 64
     assert ShapeKey.parse(key.text()) == key
+    ieee = ShapeKey(16, "fp32ieee", True, 128, 16)
+    assert ShapeKey.parse(ieee.text()) == ieee and ieee.text() == "d16-fp32ieee-causal-n128-bh16"
     with pytest.raises(ValueError, match="shape key 'd64-half' is not of the form"):
         ShapeKey.parse("d64-half")
     with pytest.raises(ValueError, match="got dtype torch.int32"):
         ShapeKey.of(1, 8, 8, 16, torch.int32, True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, fp32_dot", [(torch.bfloat16, ""), (torch.float32, "tf32x3"), (torch.float32, "ieee")])
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("n", [128, 1024, 65536])
-def test_candidates_are_pruned_but_never_empty(dtype, d, n):
+def test_candidates_are_pruned_but_never_empty(dtype, fp32_dot, d, n, monkeypatch):
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, fp32_dot)
     key = ShapeKey.of(1, n, n, d, dtype, True)
+    assert key.dtype == {"": "half", "tf32x3": "fp32", "ieee": "fp32ieee"}[fp32_dot]
     element = 4 if dtype == torch.float32 else 2
     for kernel in KERNELS:
         cands = flash_configs.candidates(kernel, key)
@@ -127,6 +133,28 @@ def test_candidates_are_pruned_but_never_empty(dtype, d, n):
         assert set(cands) <= set(flash_configs.SEARCH_SPACE[(kernel, key.dtype)])
     with pytest.raises(ValueError, match="kernel must be one of"):
         flash_configs.candidates("bwd", key)
+
+
+def test_fp32_arithmetic_is_tf32x3_unless_ieee_is_asked_for(monkeypatch):
+    monkeypatch.delenv(flash_configs.FP32_DOT_ENV, raising=False)
+    assert flash_configs.fp32_dot() == "tf32x3" and flash_launch.precision(torch.float32) == "tf32x3"
+    assert flash_configs.dtype_class(torch.float32) == "fp32"
+    assert flash_launch.precision(torch.bfloat16) == "tf32"  # ignored by tl.dot for 16-bit operands
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee")
+    assert flash_launch.precision(torch.float32) == "ieee" and flash_configs.dtype_class(torch.float32) == "fp32ieee"
+    assert flash_configs.dtype_class(torch.bfloat16) == "half"
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "tf32")  # plain TF32 would lose fp32 accuracy: refused
+    with pytest.raises(ValueError, match=r"CS336_FLASH_FP32_DOT must be one of \('tf32x3', 'ieee'\), got 'tf32'"):
+        flash_launch.precision(torch.float32)
+
+
+@pytest.mark.parametrize("dtype_class", flash_configs.DTYPE_CLASSES)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_default_configs_fit_sm80_shared_memory(dtype_class, d):
+    element = 2 if dtype_class == "half" else 4
+    for n in (128, 4096, 65536):
+        for kernel, cfg in flash_configs.default_config(ShapeKey(d, dtype_class, True, n, 1)).items():
+            assert flash_configs._shared_bytes(kernel, cfg.block_m, cfg.block_n, d, element, cfg.num_stages) <= 160 * 1024
 
 
 def test_nearest_tuned_prefers_sequence_length_then_parallelism():

@@ -118,6 +118,18 @@ def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp32_dot", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_float32_arithmetic_matches_float64_reference(fp32_dot, d, monkeypatch):
+    """Both fp32 dot modes within the accuracy bound (2x naive fp32's error + 1e-5 x max), at the head dims
+    where they differ most (tf32x3 drops a ~2^-22 relative term per product, summed over d)."""
+    monkeypatch.setenv("CS336_FLASH_FP32_DOT", fp32_dot)
+    for lead, nq, nk, causal in (((1, 4), 1000, 1000, True), ((2,), 257, 1025, False)):
+        q, k, v = random_qkv(lead, nq, nk, d, torch.float32, "cuda", seed=nq + d)
+        assert_flash_accuracy(_apply, q, k, v, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gpu_compiles_fullgraph_forward_and_backward(is_causal):
     torch._dynamo.reset()

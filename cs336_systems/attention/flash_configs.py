@@ -8,7 +8,7 @@ kernel's prologue, with its query tile):
     "dq"    dQ:       BLOCK_M queries resident, loop over BLOCK_N keys
 
 The best configuration depends on the head dimension (register and shared-memory pressure), the
-element size (fp32 tiles take twice the shared memory and use IEEE FMA dots, not tensor cores),
+element size and arithmetic (fp32 tiles take twice the shared memory or more; tf32x3 or IEEE FMA dots),
 causality (how much of the work is the masked diagonal band), the sequence length and the number of
 (batch x head) slices: with B*H = 1 a forward at N = 4096 has only 32 query tiles of 128 for 132 SMs, so
 smaller tiles (more programs) win there, while at the leaderboard shape (16 x 128 tiles) per-tile
@@ -26,11 +26,13 @@ ops, and the property tests want many programs, ragged edges and several tiles p
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
 
 KERNELS = ("fwd", "dkdv", "dq")
+DTYPE_CLASSES = ("half", "fp32", "fp32ieee")
 HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
@@ -78,10 +80,30 @@ class TileConfig:
             raise ValueError(f"tile config {text!r} is not of the form <BLOCK_M>x<BLOCK_N>w<warps>s<stages>: {exc}") from None
 
 
+FP32_DOT_ENV = "CS336_FLASH_FP32_DOT"
+FP32_DOTS = ("tf32x3", "ieee")
+
+
+def fp32_dot() -> str:
+    """How the kernels multiply float32 tiles: "tf32x3" (default) or "ieee" (``CS336_FLASH_FP32_DOT``).
+
+    "tf32x3" splits each operand into a TF32 high part and a TF32 remainder and sums three tensor-core
+    products (hi*hi + hi*lo + lo*hi; the dropped lo*lo term is ~2^-22 relative): close to fp32 accuracy at
+    tensor-core speed.  It is the arithmetic PyTorch's own fp32 SDPA kernel (mem-efficient, CUTLASS's
+    OpMultiplyAddFastF32) uses on sm_80+.  "ieee" multiplies on the FMA units, exact fp32 products, several
+    times slower and register-hungry at d >= 64 (results/h100/flash-attention-log.md, tenth session).
+    """
+    value = os.environ.get(FP32_DOT_ENV, "") or "tf32x3"
+    if value not in FP32_DOTS:
+        raise ValueError(f"{FP32_DOT_ENV} must be one of {FP32_DOTS}, got {value!r}")
+    return value
+
+
 def dtype_class(dtype: torch.dtype) -> str:
-    """fp16 shares bf16's tables: same element size, same tensor-core rate."""
+    """fp16 shares bf16's tables: same element size, same tensor-core rate.  float32 is "fp32" (tf32x3
+    dots, tensor cores) or "fp32ieee" (FMA dots): different arithmetic, different best tiles."""
     if dtype == torch.float32:
-        return "fp32"
+        return "fp32" if fp32_dot() == "tf32x3" else "fp32ieee"
     if dtype in (torch.bfloat16, torch.float16):
         return "half"
     raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")
@@ -116,11 +138,11 @@ class ShapeKey:
     def parse(cls, text: str) -> ShapeKey:
         try:
             d, dtype, causal, n, bh = text.split("-")
-            if causal not in ("causal", "full") or dtype not in ("half", "fp32"):
+            if causal not in ("causal", "full") or dtype not in DTYPE_CLASSES:
                 raise ValueError("bad causal/dtype field")
             return cls(int(d[1:]), dtype, causal == "causal", int(n[1:]), int(bh[2:]))
         except ValueError as exc:
-            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32>-<causal|full>-n<N>-bh<BH>: {exc}") from None
+            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32|fp32ieee>-<causal|full>-n<N>-bh<BH>: {exc}") from None
 
 
 # TMA on for forward and dQ so that the property tests run the descriptor path (the interpreter emulates it);
@@ -131,11 +153,18 @@ INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, True), "dkdv": TileConfig(32, 32,
 def default_config(key: ShapeKey) -> dict[str, TileConfig]:
     """A heuristic that fits sm_80+ shared memory for every supported d and dtype (no measurements)."""
     d = key.head_dim
-    if key.dtype == "fp32":
+    if key.dtype == "fp32ieee":
         # fp32 tiles take twice the shared memory and IEEE dots run on the FMA units, unrolled: small
         # tiles, which also compile 2-3x faster (sm_90, triton 3.9, d = 64: dK/dV 32x32 10 s vs 32x64 15 s
         # vs 64x64 71 s); the H100 tuner picked these or 32x32 at N = 1024 for d = 16 and 32.
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
+    if key.dtype == "fp32":
+        # tf32x3 keeps each operand's high and low TF32 parts in shared memory: Triton 3.9 gives these
+        # 64-128 KB at d = 64 and 112-160 KB at d = 128 on sm_90 (local compile, tenth session), under
+        # sm_80's 163 KB.
+        if d <= 64:
+            return {"fwd": TileConfig(64, 64, 4, 2), "dkdv": TileConfig(32, 64, 4, 2), "dq": TileConfig(64, 64, 4, 2)}
+        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(16, 64, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
     bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
     if key.n_bucket * key.bh_bucket <= 4096:
@@ -168,10 +197,18 @@ SEARCH_SPACE = {
     ("dq", "half"): _configs((128, 64, 8, 3, True), (64, 128, 4, 3, True), (128, 64, 8, 3), (128, 64, 8, 2),
                              (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3),
                              (64, 128, 4, 4)),
-    ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
+    # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
+    # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
+    ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3),
+                              (32, 64, 4, 2)),
+    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (64, 64, 4, 2),
+                               (32, 128, 8, 2)),
+    ("dq", "fp32"): _configs((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)),
+    # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
+    ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
     # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
-    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
-    ("dq", "fp32"): _configs((64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
+    ("dkdv", "fp32ieee"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
+    ("dq", "fp32ieee"): _configs((64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
 }
 
 
@@ -185,7 +222,7 @@ def candidates(kernel: str, key: ShapeKey) -> list[TileConfig]:
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
-    element = 4 if key.dtype == "fp32" else 2
+    element = 2 if key.dtype == "half" else 4
     limit = max(key.n_bucket, 64)
     out = []
     for cfg in SEARCH_SPACE[(kernel, key.dtype)]:
@@ -208,10 +245,11 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 # Measured on an H100 80GB HBM3 (sm_90), torch 2.11, triton 3.6, with
 #   python -m cs336_systems.attention.flash_autotune --dtype bf16 --shape 16,16384,64 ... --json ...
 # (results/h100/probes/run-issue7-tune.sh; every candidate's time in results/h100/flash-autotune-bf16.json).
-# Keys are ShapeKey.text(); values TileConfig.short().  fp32 has only the two shapes tuned so far.
+# Keys are ShapeKey.text(); values TileConfig.short().  The two fp32ieee entries were tuned when IEEE
+# was the only fp32 arithmetic (fourth session).
 TUNED_SM90: dict[str, dict[str, str]] = {
-    "d16-fp32-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    "d32-fp32-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
     "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},

@@ -23,7 +23,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention import triton_kernels as kernels
-from cs336_systems.attention.flash_configs import TileConfig
+from cs336_systems.attention.flash_configs import TileConfig, fp32_dot
 
 LOG2E = 1.4426950408889634
 
@@ -34,8 +34,9 @@ def direct(kernel):
 
 
 def precision(dtype: torch.dtype) -> str:
-    """IEEE fp32 dots for fp32 inputs (TF32 would lose fp32 accuracy); ignored for 16-bit inputs."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """tl.dot's input_precision: for fp32 inputs `flash_configs.fp32_dot` ("tf32x3" by default, "ieee" on
+    request; plain TF32 would lose fp32 accuracy); ignored for 16-bit inputs."""
+    return fp32_dot() if dtype == torch.float32 else "tf32"
 
 
 TMA_ENV = "CS336_FLASH_TMA"

@@ -24,8 +24,9 @@ Double backward (``create_graph=True`` through this op) raises a RuntimeError in
 torch.compile, AOTAutograd rejects double backward itself): the kernels' gradients carry no graph.
 
 On a CPU tensor the kernels only run under Triton's interpreter (TRITON_INTERPRET=1 set before this
-module is imported); otherwise a ValueError says so.  float32 inputs use IEEE fp32 dots (not TF32) so
-fp32 results stay at fp32 accuracy.
+module is imported); otherwise a ValueError says so.  float32 inputs multiply with tf32x3 dots (three
+TF32 tensor-core products per fp32 product, near-fp32 accuracy, as PyTorch's fp32 mem-efficient SDPA does),
+or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`flash_configs.fp32_dot`); never plain TF32.
 """
 
 from __future__ import annotations
