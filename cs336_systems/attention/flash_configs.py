@@ -159,12 +159,11 @@ def default_config(key: ShapeKey) -> dict[str, TileConfig]:
         # vs 64x64 71 s); the H100 tuner picked these or 32x32 at N = 1024 for d = 16 and 32.
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     if key.dtype == "fp32":
-        # tf32x3 keeps each operand's high and low TF32 parts in shared memory: Triton 3.9 gives these
-        # 64-128 KB at d = 64 and 112-160 KB at d = 128 on sm_90 (local compile, tenth session), under
-        # sm_80's 163 KB.
-        if d <= 64:
-            return {"fwd": TileConfig(64, 64, 4, 2), "dkdv": TileConfig(32, 64, 4, 2), "dq": TileConfig(64, 64, 4, 2)}
-        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(16, 64, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
+        # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
+        # 32 x 64 tiles for all three kernels at d = 64 and 128 (tenth session); the d = 128 dK/dV default
+        # is 32 x 32, since 32 x 64 needs ~224 KB there (Triton 3.9, sm_90) and sm_80 has 163 KB.
+        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 64 if d <= 64 else 32, 4, 2),
+                "dq": TileConfig(32, 64, 4, 2)}
     fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
     bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
     if key.n_bucket * key.bh_bucket <= 4096:
@@ -199,11 +198,14 @@ SEARCH_SPACE = {
                              (64, 128, 4, 4)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
     # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
-    ("fwd", "fp32"): _configs((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3),
-                              (32, 64, 4, 2)),
-    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (64, 64, 4, 2),
-                               (32, 128, 8, 2)),
-    ("dq", "fp32"): _configs((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)),
+    # Tenth session, first tuning round (results/h100/run-2026-11-22-tenth-a/): 32 x 64 won every kernel at
+    # d = 64 and 128, N 1024-16384, B*H 1; 64-query dQ and dK/dV tiles run out of shared memory at d = 128.
+    ("fwd", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
+                              (64, 32, 4, 3), (128, 32, 8, 3)),
+    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
+                               (64, 64, 4, 2), (64, 64, 8, 2)),
+    ("dq", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (32, 128, 4, 2),
+                             (64, 64, 4, 3), (64, 32, 4, 3)),
     # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
     ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
     # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
