@@ -160,10 +160,9 @@ def default_config(key: ShapeKey) -> dict[str, TileConfig]:
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     if key.dtype == "fp32":
         # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
-        # 32 x 64 tiles for all three kernels at d = 64 and 128 (tenth session); the d = 128 dK/dV default
-        # is 32 x 32, since 32 x 64 needs ~224 KB there (Triton 3.9, sm_90) and sm_80 has 163 KB.
-        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 64 if d <= 64 else 32, 4, 2),
-                "dq": TileConfig(32, 64, 4, 2)}
+        # 32-query tiles at d = 64 and 128 (tenth session; dK/dV 32 x 32 everywhere in its second round);
+        # these need 64-130 KB at d = 128 (Triton 3.9, sm_90), under sm_80's 163 KB.
+        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
     bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
     if key.n_bucket * key.bh_bucket <= 4096:
@@ -252,6 +251,19 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 TUNED_SM90: dict[str, dict[str, str]] = {
     "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
     "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    # float32, tf32x3 dots: the tenth session's second tuning round (results/h100/run-2026-11-22-tenth-b/,
+    # tune-fp32.json has every candidate's time).  At N = 1024 the tuner's per-kernel times are host-bound
+    # (tens of microseconds) and varied 2-3x between its two rounds: those entries are the weakest.
+    "d16-fp32-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d16-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d64-fp32-causal-n1024-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x128w4s2"},
+    "d64-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "32x128w4s2"},
+    "d64-fp32-causal-n16384-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d128-fp32-causal-n1024-bh1": {"fwd": "64x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w8s2"},
+    "d128-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "32x64w8s2"},
+    "d128-fp32-causal-n16384-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x32w4s2"},
     "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
