@@ -199,12 +199,14 @@ SEARCH_SPACE = {
     # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
     # Tenth session, first tuning round (results/h100/run-2026-11-22-tenth-a/): 32 x 64 won every kernel at
     # d = 64 and 128, N 1024-16384, B*H 1; 64-query dQ and dK/dV tiles run out of shared memory at d = 128.
+    # The second round (run-2026-11-22-tenth-b/) moved dK/dV to 32 x 32 (d = 128, N 16384: 3.84 vs 6.55 ms),
+    # so the third added the 32 x 32 and 16-query variants around it (run-2026-11-22-tenth-d/).
     ("fwd", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
                               (64, 32, 4, 3), (128, 32, 8, 3)),
     ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
-                               (64, 64, 4, 2), (64, 64, 8, 2)),
+                               (64, 64, 4, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 3), (16, 32, 4, 2)),
     ("dq", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (32, 128, 4, 2),
-                             (64, 64, 4, 3), (64, 32, 4, 3)),
+                             (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 8, 2), (32, 32, 4, 3), (16, 64, 4, 2)),
     # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
     ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
     # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
