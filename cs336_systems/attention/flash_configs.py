@@ -253,18 +253,19 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 TUNED_SM90: dict[str, dict[str, str]] = {
     "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
     "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    # float32, tf32x3 dots: the tenth session's second tuning round (results/h100/run-2026-11-22-tenth-b/,
-    # tune-fp32.json has every candidate's time).  At N = 1024 the tuner's per-kernel times are host-bound
+    # float32, tf32x3 dots: the tenth session's tuning rounds, d = 16 / 32 from the second
+    # (results/h100/run-2026-11-22-tenth-b/), d = 64 / 128 from the third (run-2026-11-22-tenth-d/); each
+    # tune-fp32.json has every candidate's time.  At N = 1024 the tuner's per-kernel times are host-bound
     # (tens of microseconds) and varied 2-3x between its two rounds: those entries are the weakest.
     "d16-fp32-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d16-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d32-fp32-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d32-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
-    "d64-fp32-causal-n1024-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x128w4s2"},
-    "d64-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "32x128w4s2"},
+    "d64-fp32-causal-n1024-bh1": {"fwd": "32x64w4s3", "dkdv": "32x32w4s3", "dq": "16x64w4s2"},
+    "d64-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
     "d64-fp32-causal-n16384-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    "d128-fp32-causal-n1024-bh1": {"fwd": "64x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w8s2"},
-    "d128-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "32x64w8s2"},
+    "d128-fp32-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d128-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
     "d128-fp32-causal-n16384-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x32w4s2"},
     "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
