@@ -322,11 +322,11 @@ class _RecordingWrap:
         return Launcher()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     bh=st.sampled_from([1, 3]),
     nq=st.integers(1, 170),
-    nk=st.integers(1, 170),
+    nk=st.one_of(st.integers(1, 170), st.sampled_from([32, 64, 96, 160])),  # multiples of the tile: band mode
     d=st.sampled_from([16, 32]),
     is_causal=st.booleans(),
     splits=st.sampled_from([1, 2]),
@@ -336,8 +336,9 @@ class _RecordingWrap:
 def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, splits, dtype, seed):
     """The forward (plain and key-split) and dQ kernels with K and V streamed through tensor descriptors
     give exactly what the pointer loads give: same tiles, same order, only the load path differs.  Several
-    slices check each slice's descriptor row offset; ragged N checks that the masked tiles (pointer loads
-    in both variants) and the unmasked ones (descriptors) split the key range right."""
+    slices check each slice's descriptor row offset; ragged N checks that the masked tiles (pointer loads)
+    and the unmasked ones (descriptors) split the key range right; N a multiple of the tile checks the
+    band mode (TMA=2: the masked diagonal tiles through the descriptors as well)."""
     from cs336_systems.attention import flash_launch
     from cs336_systems.attention.flash_configs import TileConfig
 
@@ -345,17 +346,19 @@ def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, spli
     do = torch.randn_like(q)
     cfg = TileConfig(32, 32, 4, 1)
     results = {}
-    for tma in (False, True):
+    for variant, tma, band, mode in (("pointers", False, True, 0), ("unmasked", True, False, 1),
+                                     ("band", True, True, 2 if nk % 32 == 0 else 1)):
         wrap = _RecordingWrap()
         o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
-        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma)
+        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma, band=band)
         delta, dq = torch.empty_like(lse), torch.empty_like(q)
-        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma)
-        assert all(flag is tma for flag in wrap.tma if flag is not None) and tma in wrap.tma
-        results[tma] = (o, lse, delta, dq)
-    for a, b in zip(results[False], results[True]):
-        # default tolerances: a few ulps (the interpreter's numpy matmul sums a transposed operand in another order)
-        torch.testing.assert_close(a, b)
+        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma, band=band)
+        assert [flag for flag in wrap.tma if flag is not None] == [mode, mode], (variant, wrap.tma)
+        results[variant] = (o, lse, delta, dq)
+    for variant in ("unmasked", "band"):
+        for a, b in zip(results["pointers"], results[variant]):
+            # default tolerances: a few ulps (the interpreter's numpy matmul sums a transposed operand in another order)
+            torch.testing.assert_close(a, b)
 
 
 def test_tma_is_used_only_where_descriptors_fit(monkeypatch):

@@ -13,10 +13,11 @@ above the diagonal are never visited.  Masked scores get a large finite negative
 -inf, so a row's running max is always finite and no NaN can arise from (-inf) - (-inf).
 
 Loads are pointer arithmetic (no tl.make_block_ptr, which triton 3.9 removed), so one source runs in the
-interpreter (TRITON_INTERPRET=1) and compiled on the GPU; with TMA=True the forward and dQ kernels take
+interpreter (TRITON_INTERPRET=1) and compiled on the GPU; with TMA=1 the forward and dQ kernels take
 their streamed K and V tiles outside the masked band through host-side tensor descriptors over the
 (BH * Nk, d) rows (Hopper's TMA engine: one bulk copy per tile, no per-thread address math; the
-interpreter emulates them).  K_DESC and V_DESC are None when TMA=False.
+interpreter emulates them), with TMA=2 the band's tiles too (BLOCK_N divides Nk).  K_DESC and V_DESC are
+None when TMA=0.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
               TMA: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end).
 
-    TMA: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor descriptors,
-    row row0 + start_n; masked tiles (diagonal band, ragged end) always use pointer loads with bounds masks.
+    TMA (0, 1, 2): 1: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor
+    descriptors, row row0 + start_n, and masked tiles (diagonal band, ragged end) use pointer loads with
+    bounds masks; 2 (only when BLOCK_N divides Nk, so no tile crosses into the next slice's rows): every
+    tile through the descriptors, the masks applied to the scores only.
     """
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
-        if MASK:
+        if MASK and TMA < 2:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
-        elif TMA:
+        elif TMA > 0:
             k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N): K^T, transposed in shared memory
         else:
             k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
@@ -60,9 +63,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
+        if MASK and TMA < 2:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < n_keys, other=0.0)
-        elif TMA:
+        elif TMA > 0:
             v = v_desc.load([row0 + start_n, 0])
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
@@ -316,10 +319,10 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_
     """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA: as in `_fwd_tile`)."""
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
-        if MASK:
+        if MASK and TMA < 2:
             kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
             vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
-        elif TMA:
+        elif TMA > 0:
             kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N)
             vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
