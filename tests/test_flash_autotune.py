@@ -89,7 +89,11 @@ def test_tile_config_text_round_trip_and_validation():
     cfg = TileConfig(128, 32, 8, 3)
     assert TileConfig.parse(cfg.short()) == cfg
     tma = TileConfig(64, 128, 4, 3, tma=True)
-    assert tma.short() == "64x128w4s3t" and TileConfig.parse("64x128w4s3t") == tma
+    assert tma.tma == 1 and tma.short() == "64x128w4s3t" and TileConfig.parse("64x128w4s3t") == tma
+    band = TileConfig(64, 128, 4, 3, tma=2)
+    assert band.short() == "64x128w4s3b" and TileConfig.parse("64x128w4s3b") == band != tma
+    with pytest.raises(ValueError, match="TileConfig.tma must be 0, 1 or 2; got 3"):
+        TileConfig(64, 64, 4, 2, tma=3)
     assert "tma" not in tma.launch_kwargs()  # the launchers turn it into descriptors, not a kernel argument
     with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16 \(tl.dot.s minimum\); got 48"):
         TileConfig(48, 64, 4, 2)

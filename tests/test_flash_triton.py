@@ -346,13 +346,12 @@ def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, spli
     do = torch.randn_like(q)
     cfg = TileConfig(32, 32, 4, 1)
     results = {}
-    for variant, tma, band, mode in (("pointers", False, True, 0), ("unmasked", True, False, 1),
-                                     ("band", True, True, 2 if nk % 32 == 0 else 1)):
+    for variant, tma, mode in (("pointers", 0, 0), ("unmasked", 1, 1), ("band", 2, 2 if nk % 32 == 0 else 1)):
         wrap = _RecordingWrap()
         o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
-        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma, band=band)
+        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma)
         delta, dq = torch.empty_like(lse), torch.empty_like(q)
-        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma, band=band)
+        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma)
         assert [flag for flag in wrap.tma if flag is not None] == [mode, mode], (variant, wrap.tma)
         results[variant] = (o, lse, delta, dq)
     for variant in ("unmasked", "band"):

@@ -33,6 +33,7 @@ import torch
 
 KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32", "fp32ieee")
+TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
@@ -40,18 +41,23 @@ BH_BUCKETS = (1, 4, 16, 64)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth, and whether
-    the forward / dQ kernel streams K and V through TMA descriptors (`flash_launch.use_tma` decides whether
-    the tensors allow it; the dK/dV kernel has no descriptor path and ignores the flag).  Text form:
-    "64x128w4s3", with a trailing "t" for TMA ("64x128w4s3t")."""
+    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth, and how the
+    forward / dQ kernel streams K and V (`tma`): 0 pointer loads; 1 TMA descriptors for the unmasked tiles,
+    bounds-masked pointer loads for the diagonal band; 2 descriptors for the band too, where BLOCK_N divides
+    N (else mode 1).  `flash_launch.use_tma` decides whether the tensors allow descriptors; the dK/dV kernel
+    has no descriptor path and ignores the field.  Text form: "64x128w4s3", with a trailing "t" for mode 1
+    ("64x128w4s3t") or "b" for mode 2 ("64x128w4s3b")."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
+    tma: int = 0
 
     def __post_init__(self) -> None:
+        if self.tma not in (0, 1, 2):
+            raise ValueError(f"TileConfig.tma must be 0, 1 or 2; got {self.tma!r}")
+        object.__setattr__(self, "tma", int(self.tma))  # True / False -> 1 / 0
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -65,14 +71,14 @@ class TileConfig:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{'t' if self.tma else ''}"
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{TMA_SUFFIX[self.tma]}"
 
     @classmethod
     def parse(cls, text: str) -> TileConfig:
-        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=True)."""
+        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=1)."""
         try:
-            tma = text.endswith("t")
-            tiles, rest = text.removesuffix("t").split("w")
+            tma = TMA_SUFFIX.index(text[-1]) if text[-1:] in TMA_SUFFIX[1:] else 0
+            tiles, rest = (text[:-1] if tma else text).split("w")
             warps, stages = rest.split("s")
             block_m, block_n = tiles.split("x")
             return cls(int(block_m), int(block_n), int(warps), int(stages), tma)
@@ -145,9 +151,10 @@ class ShapeKey:
             raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32|fp32ieee>-<causal|full>-n<N>-bh<BH>: {exc}") from None
 
 
-# TMA on for forward and dQ so that the property tests run the descriptor path (the interpreter emulates it);
-# non-contiguous inputs still take the pointer loads.
-INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, True), "dkdv": TileConfig(32, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1, True)}
+# TMA mode 2 for forward and dQ so that the property tests run the descriptor paths (the interpreter emulates
+# them): the band through descriptors where 32 divides N, through pointer loads elsewhere; non-contiguous
+# inputs still take the pointer loads.
+INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, 2), "dkdv": TileConfig(32, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1, 2)}
 
 
 def default_config(key: ShapeKey) -> dict[str, TileConfig]:
@@ -192,9 +199,13 @@ SEARCH_SPACE = {
     # TMA dQ (ninth session): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
     # N 16384 (against the best pointer tile) but +26-28% at the leaderboard shape and at N 65536; the
     # 128 x 32 tiles left for them (never chosen).
-    ("dq", "half"): _configs((128, 64, 8, 3, True), (64, 128, 4, 3, True), (128, 64, 8, 3), (128, 64, 8, 2),
-                             (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 4, 3),
-                             (64, 128, 4, 4)),
+    # Band mode (tenth session, results/h100/run-2026-11-22-tenth-band/): dQ 64 x 128 with the diagonal band
+    # through the descriptors too ran 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16
+    # at B*H 1, N 65536 (committed 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
+    # 64 x 128 w4 s4 left for it (last chosen before TMA).
+    ("dq", "half"): _configs((128, 64, 8, 3, True), (64, 128, 4, 3, True), (64, 128, 4, 3, 2), (128, 64, 8, 3),
+                             (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
+                             (64, 128, 4, 3)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
     # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
     # Tenth session, first tuning round (results/h100/run-2026-11-22-tenth-a/): 32 x 64 won every kernel at
@@ -288,8 +299,11 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     # passes): TMA forward at the leaderboard shape 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward
     # 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208 and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280;
     # N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4 0.112-0.119.
-    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
-    "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "128x64w8s3t"},
+    # Tenth session (run-2026-11-22-tenth-band/): dQ 64x128w4s3b (band mode) 1.198-1.202 ms vs 64x128w4s3
+    # 1.333; compiled forward+backward 5.162 / 5.097 vs 5.232 / 5.296 ms interleaved; at N 65536, B*H 1
+    # 1.156-1.158 vs 128x64w8s3t 1.264-1.279.
+    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
+    "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "64x128w4s3b"},
     "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     # d = 128 dQ re-measured in the ninth session (pointer loads; two runs of two passes): N 4096 64x128w4s3
     # 0.0503-0.0505 vs 64x64w4s3 0.0543-0.0544 ms; B*H 16, N 16384 128x64w8s3 2.45-2.59 vs 128x128w8s2 2.72-2.85.

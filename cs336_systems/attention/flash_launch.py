@@ -68,19 +68,21 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: bool | None, band: bool):
-    """(TMA, K_DESC, V_DESC) for the forward and dQ launchers: ``tma`` None takes the configuration's flag
-    where `use_tma` allows it; the descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are
-    None without TMA.  The kernels' TMA mode: 0 pointer loads; 1 descriptors for the unmasked tiles; 2
-    (``band`` and BLOCK_N divides N, so no tile reaches into the next slice's rows) descriptors for the
-    masked diagonal-band tiles too."""
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None):
+    """(TMA mode, K_DESC, V_DESC) for the forward and dQ launchers.  ``tma`` None takes the configuration's
+    mode where `use_tma` allows descriptors (else 0); 0 / 1 / 2 force it.  Mode 2 (the diagonal band's tiles
+    through the descriptors too) falls back to 1 unless BLOCK_N divides N: a band tile crossing N would read
+    the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
+    in mode 0."""
     if tma is None:
-        tma = cfg.tma and use_tma(k) and use_tma(v)
+        tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
+    if tma not in (0, 1, 2):
+        raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
     if not tma:
         return 0, None, None
     bh, n, d = k.shape
     k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [cfg.block_n, d]) for t in (k, v))
-    return (2 if band and n % cfg.block_n == 0 else 1), k_desc, v_desc
+    return (1 if n % cfg.block_n else int(tma)), k_desc, v_desc
 
 
 SPLITS_ENV = "CS336_FLASH_SPLITS"
@@ -125,21 +127,21 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
-            tma: bool | None = None, band: bool = True) -> None:
+            tma: int | None = None) -> None:
     """o (BH, Nq, d) and lse (BH, Nq) written in place.
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
-    ``tma``: stream K and V through descriptors (None: the configuration's flag, where `use_tma` allows it);
-    ``band``: the masked diagonal-band tiles too, where the tile size divides Nk (`_kv_descriptors`).
+    ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
+    `_kv_descriptors`).
     """
     bh, n_queries, d = q.shape
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, band)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
@@ -180,12 +182,12 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
 
 
 def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
-       longest_first: bool = True, *, o: torch.Tensor, tma: bool | None = None, band: bool = True) -> None:
+       longest_first: bool = True, *, o: torch.Tensor, tma: int | None = None) -> None:
     """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
-    kernel reads: launch this one first).  ``tma`` and ``band`` as in `forward`."""
+    kernel reads: launch this one first).  ``tma`` as in `forward`."""
     bh, n_queries, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
-    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, band)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
