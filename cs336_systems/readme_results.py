@@ -194,7 +194,7 @@ _DP_RUNS = ("results/h200x2/ddp-bf16.json", "results/h200x2/sharding-bf16.json",
 README_RESULTS = (
     ResultsSection("H100: end-to-end headline",
                    ("results/h100/e2e-2.7B.json", "results/h100/e2e-compiled.json"), headline_table),
-    ResultsSection("H100: attention leaderboard", ("results/h100/run-2026-11-22-ninth-final/leaderboard.json",),
+    ResultsSection("H100: attention leaderboard", ("results/h100/run-2026-11-22-tenth-final/leaderboard.json",),
                    leaderboard_summary),
     ResultsSection("H100: attention TFLOP/s vs sequence length",
                    ("results/h100/flash-bf16-short.json", "results/h100/flash-bf16-long.json"),
