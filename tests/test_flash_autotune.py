@@ -107,7 +107,7 @@ def test_shape_key_buckets():
     key = ShapeKey.of(bh=16, n_queries=16384, n_keys=16384, head_dim=64, dtype=torch.bfloat16, causal=True)
     assert key == ShapeKey(64, "half", True, 16384, 16)
     assert ShapeKey.of(1, 1000, 3000, 128, torch.float16, False) == ShapeKey(128, "half", False, 4096, 1)
-    assert ShapeKey.of(5, 10, 10, 16, torch.float32, True) == ShapeKey(16, "fp32", True, 128, 16)
+    assert ShapeKey.of(5, 10, 10, 16, torch.float32, True) == ShapeKey(16, "fp32x3", True, 128, 16)
     assert ShapeKey.of(1000, 10**6, 10, 32, torch.float32, True).n_bucket == 65536
     assert ShapeKey.of(1000, 10, 10, 32, torch.float32, True).bh_bucket == 64
     assert ShapeKey.parse(key.text()) == key
@@ -125,7 +125,7 @@ def test_shape_key_buckets():
 def test_candidates_are_pruned_but_never_empty(dtype, fp32_dot, d, n, monkeypatch):
     monkeypatch.setenv(flash_configs.FP32_DOT_ENV, fp32_dot)
     key = ShapeKey.of(1, n, n, d, dtype, True)
-    assert key.dtype == {"": "half", "tf32x3": "fp32", "ieee": "fp32ieee"}[fp32_dot]
+    assert key.dtype == {"": "half", "tf32x3": "fp32x3", "ieee": "fp32ieee"}[fp32_dot]
     element = 4 if dtype == torch.float32 else 2
     for kernel in KERNELS:
         cands = flash_configs.candidates(kernel, key)
@@ -142,7 +142,7 @@ def test_candidates_are_pruned_but_never_empty(dtype, fp32_dot, d, n, monkeypatc
 def test_fp32_arithmetic_is_tf32x3_unless_ieee_is_asked_for(monkeypatch):
     monkeypatch.delenv(flash_configs.FP32_DOT_ENV, raising=False)
     assert flash_configs.fp32_dot() == "tf32x3" and flash_launch.precision(torch.float32) == "tf32x3"
-    assert flash_configs.dtype_class(torch.float32) == "fp32"
+    assert flash_configs.dtype_class(torch.float32) == "fp32x3"
     assert flash_launch.precision(torch.bfloat16) == "tf32"  # ignored by tl.dot for 16-bit operands
     monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee")
     assert flash_launch.precision(torch.float32) == "ieee" and flash_configs.dtype_class(torch.float32) == "fp32ieee"
@@ -177,7 +177,7 @@ def test_nearest_tuned_prefers_sequence_length_then_parallelism():
     assert flash_configs.nearest_tuned(ShapeKey(64, "half", True, 512, 1), table)["fwd"].block_m == 32
     assert flash_configs.nearest_tuned(ShapeKey(128, "half", True, 128, 64), table)["fwd"].block_m == 16
     assert flash_configs.nearest_tuned(ShapeKey(32, "half", True, 4096, 1), table) is None
-    assert flash_configs.nearest_tuned(ShapeKey(64, "fp32", True, 4096, 1), table) is None
+    assert flash_configs.nearest_tuned(ShapeKey(64, "fp32x3", True, 4096, 1), table) is None
 
 
 def test_committed_table_parses_and_covers_the_sweep():
@@ -217,6 +217,23 @@ def test_select_order_cache_then_table_then_default(tmp_cache, monkeypatch):
     tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): {key.text(): {"fwd": "64x32w4s4"}}}))
     flash_autotune.clear_memo()
     assert flash_autotune.select(2, 300, 300, 64, torch.float16, True, cpu) == flash_configs.default_config(key)
+
+
+def test_float32_never_reads_cache_entries_tuned_for_the_other_arithmetic(tmp_cache, monkeypatch):
+    """An IEEE-tuned tile can run out of shared memory with tf32x3 dots: the caches stay apart, and entries
+    from before the split (class "fp32", tuned with IEEE dots) are not read at all."""
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    monkeypatch.delenv(flash_configs.FP32_DOT_ENV, raising=False)
+    cpu = torch.device("cpu")
+    entry = {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s2"}
+    stale = {f"d128-{cls}-causal-n1024-bh1": entry for cls in ("fp32", "fp32ieee")}
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): stale}))
+    key = ShapeKey.of(1, 1000, 1000, 128, torch.float32, True)
+    assert key.dtype == "fp32x3"
+    assert flash_autotune.select(1, 1000, 1000, 128, torch.float32, True, cpu) == flash_configs.default_config(key)
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee")  # the fp32ieee entry is for this arithmetic
+    chosen = flash_autotune.select(1, 1000, 1000, 128, torch.float32, True, cpu)
+    assert {k: c.short() for k, c in chosen.items()} == entry
 
 
 def test_unreadable_cache_is_reported_and_ignored(tmp_cache, monkeypatch, capsys):

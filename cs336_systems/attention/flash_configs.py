@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 KERNELS = ("fwd", "dkdv", "dq")
-DTYPE_CLASSES = ("half", "fp32", "fp32ieee")
+DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
 TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
@@ -106,10 +106,12 @@ def fp32_dot() -> str:
 
 
 def dtype_class(dtype: torch.dtype) -> str:
-    """fp16 shares bf16's tables: same element size, same tensor-core rate.  float32 is "fp32" (tf32x3
-    dots, tensor cores) or "fp32ieee" (FMA dots): different arithmetic, different best tiles."""
+    """fp16 shares bf16's tables: same element size, same tensor-core rate.  float32 is "fp32x3" (tf32x3
+    dots, tensor cores) or "fp32ieee" (FMA dots): different arithmetic, different best tiles (and different
+    shared memory: an IEEE-tuned tile can run out of it with tf32x3).  Before the tenth session float32 had
+    one class, "fp32", tuned with IEEE dots; autotune-cache entries under that name are never read now."""
     if dtype == torch.float32:
-        return "fp32" if fp32_dot() == "tf32x3" else "fp32ieee"
+        return "fp32x3" if fp32_dot() == "tf32x3" else "fp32ieee"
     if dtype in (torch.bfloat16, torch.float16):
         return "half"
     raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")
@@ -148,7 +150,7 @@ class ShapeKey:
                 raise ValueError("bad causal/dtype field")
             return cls(int(d[1:]), dtype, causal == "causal", int(n[1:]), int(bh[2:]))
         except ValueError as exc:
-            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32|fp32ieee>-<causal|full>-n<N>-bh<BH>: {exc}") from None
+            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32x3|fp32ieee>-<causal|full>-n<N>-bh<BH>: {exc}") from None
 
 
 # TMA mode 2 for forward and dQ so that the property tests run the descriptor paths (the interpreter emulates
@@ -165,7 +167,7 @@ def default_config(key: ShapeKey) -> dict[str, TileConfig]:
         # tiles, which also compile 2-3x faster (sm_90, triton 3.9, d = 64: dK/dV 32x32 10 s vs 32x64 15 s
         # vs 64x64 71 s); the H100 tuner picked these or 32x32 at N = 1024 for d = 16 and 32.
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
-    if key.dtype == "fp32":
+    if key.dtype == "fp32x3":
         # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
         # 32-query tiles at d = 64 and 128 (tenth session; dK/dV 32 x 32 everywhere in its second round);
         # these need 64-130 KB at d = 128 (Triton 3.9, sm_90), under sm_80's 163 KB.
@@ -212,11 +214,11 @@ SEARCH_SPACE = {
     # d = 64 and 128, N 1024-16384, B*H 1; 64-query dQ and dK/dV tiles run out of shared memory at d = 128.
     # The second round (run-2026-11-22-tenth-b/) moved dK/dV to 32 x 32 (d = 128, N 16384: 3.84 vs 6.55 ms),
     # so the third added the 32 x 32 and 16-query variants around it (run-2026-11-22-tenth-d/).
-    ("fwd", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
+    ("fwd", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
                               (64, 32, 4, 3), (128, 32, 8, 3)),
-    ("dkdv", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
+    ("dkdv", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
                                (64, 64, 4, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 3), (16, 32, 4, 2)),
-    ("dq", "fp32"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (32, 128, 4, 2),
+    ("dq", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (32, 128, 4, 2),
                              (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 8, 2), (32, 32, 4, 3), (16, 64, 4, 2)),
     # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
     ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
@@ -268,16 +270,16 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     # (results/h100/run-2026-11-22-tenth-b/), d = 64 / 128 from the third (run-2026-11-22-tenth-d/); each
     # tune-fp32.json has every candidate's time.  At N = 1024 the tuner's per-kernel times are host-bound
     # (tens of microseconds) and varied 2-3x between its two rounds: those entries are the weakest.
-    "d16-fp32-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
-    "d16-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
-    "d32-fp32-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
-    "d32-fp32-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
-    "d64-fp32-causal-n1024-bh1": {"fwd": "32x64w4s3", "dkdv": "32x32w4s3", "dq": "16x64w4s2"},
-    "d64-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
-    "d64-fp32-causal-n16384-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    "d128-fp32-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
-    "d128-fp32-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
-    "d128-fp32-causal-n16384-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x32w4s2"},
+    "d16-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d16-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32x3-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d64-fp32x3-causal-n1024-bh1": {"fwd": "32x64w4s3", "dkdv": "32x32w4s3", "dq": "16x64w4s2"},
+    "d64-fp32x3-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d64-fp32x3-causal-n16384-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d128-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d128-fp32x3-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d128-fp32x3-causal-n16384-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x32w4s2"},
     "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d16-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
