@@ -192,7 +192,7 @@ SEARCH_SPACE = {
     # 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096, so
     # only where measured to win.  64 x 32 left for it (never chosen).
     ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
-                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, True)),
+                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, 1)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
     # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
@@ -205,7 +205,7 @@ SEARCH_SPACE = {
     # through the descriptors too ran 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16
     # at B*H 1, N 65536 (committed 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
     # 64 x 128 w4 s4 left for it (last chosen before TMA).
-    ("dq", "half"): _configs((128, 64, 8, 3, True), (64, 128, 4, 3, True), (64, 128, 4, 3, 2), (128, 64, 8, 3),
+    ("dq", "half"): _configs((128, 64, 8, 3, 1), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (128, 64, 8, 3),
                              (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
                              (64, 128, 4, 3)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
