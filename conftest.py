@@ -32,9 +32,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from cs336_systems import machine
+from cs336_systems.bench import machine
 from cs336_systems.cli_args import positive_float
-from cs336_systems.matrix import PROFILES
+from cs336_systems.bench.matrix import PROFILES
 
 # pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
 pytest_plugins = ["pytester"]

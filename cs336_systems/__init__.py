@@ -1,27 +1,22 @@
 """cs336_systems: LLM-systems building blocks and the benchmark harness that measures them.
 
-Public modules:
-  model         Transformer LM and the SIZES registry (`build(size, **overrides)`)
-  attention     attention implementations behind one signature, chosen by name
-  benchmarking  the one timing harness (warm-up, synchronization, statistics, OOM capture)
-  flops         FLOP counts and MFU, with their sources
-  amp           precision modes (fp32, bf16 / fp16 autocast)
-  workloads     forward / forward-backward / train-step callables built from a model
-  attention_workloads  attention benchmark steps with an accuracy check before timing
-  matrix        benchmarks.json loading and validation
-  gates         in-run ratio gates declared in benchmarks.json
-  machine       device facts (GPU name, versions, peak throughput lookup)
-  report        saved pytest-benchmark JSON -> Markdown tables (CLI for plots, --compare, --readme too)
-  plots         PNG plots of saved runs (matplotlib, the `plot` extra)
-  run_compare   two saved runs side by side with deltas
-  readme_results  the README's generated Results block
-  baseline      committed per-GPU baselines for pytest-benchmark's saved-run comparison
-  profiling     NVTX ranges, torch.profiler kernel summaries per phase
-  profile       CLI: one LM case profiled, with the handout's answers
-  memory        CUDA memory snapshots of the measured steps, parsed into text
-  checkpointing activation-checkpointing policies (none, every-k, sqrt)
-  parallel      DDP wrappers, ZeRO-1 ShardedOptimizer, FSDP, collectives benchmarks, launch helpers
-  accounting    analytic memory / communication models (XXL model, FSDP x TP batch, DDP bucket model); CLI
+Layers (lower layers never import higher ones; docs/architecture.md):
+
+  library      what users import
+    model          Transformer LM and the SIZES registry (`build(size, **overrides)`)
+    checkpointing  activation-checkpointing policies (none, every-k, sqrt)
+    amp            precision modes (fp32, bf16 / fp16 autocast)
+    attention      attention implementations behind one signature, chosen by name; FlashAttention-2 in
+                   plain PyTorch and in Triton (attention.kernels)
+    parallel       DDP wrappers, ZeRO-1 ShardedOptimizer, FSDP, launch helpers
+    nvtx           named ranges for Nsight Systems and torch.profiler
+    cli_args       argument validators shared by the command-line tools
+  bench        the measurement core: harness, benchmarks.json matrix, FLOPs, machine facts, workloads
+  tools        profile, kernel summaries, memory snapshots, accounting, autocast probes
+  reporting    saved runs -> tables, plots, the README block, comparisons, gates, baselines
+
+Command-line entry points (`python -m cs336_systems.<name>`, or the `cs336-<name>` console scripts):
+report, gates, baseline, profile, memory, accounting, flash_autotune.
 """
 
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ A perf test is marked ``@pytest.mark.suite("<suite name>")`` and takes a ``case`
 parametrized with that suite's cases under the active profile (``--perf-profile``), optionally filtered by
 ``--perf-group``.  Its body hands a workload *setup* to ``bench(...)``, which
 
-* runs warm-up and measured rounds through `cs336_systems.benchmarking.run_pytest_benchmark`
+* runs warm-up and measured rounds through `cs336_systems.bench.harness.run_pytest_benchmark`
   (synchronizing clock, peak memory after warm-up, OOM capture), so a case cannot forget to sync;
 * records the case, status, peak memory and derived rates (tokens/s, TFLOP/s, MFU) in ``extra_info``,
   which pytest-benchmark writes into its JSON (``--benchmark-autosave`` / ``--benchmark-json``), plus
@@ -22,7 +22,7 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
 Multi-process cases (suites ``allreduce`` and ``data_parallel``) take the ``dist_bench`` fixture
 instead: ``dist_bench(body, case=case)`` runs the collective ``body(device, case)`` on every rank, where
 each rank times its rounds with the same harness and the slowest rank's time per round is kept
-(`cs336_systems.parallel.timing`); rank 0's times are then recorded as this case's pytest-benchmark
+(`cs336_systems.bench.rank_timing`); rank 0's times are then recorded as this case's pytest-benchmark
 rounds (`benchmarking.record_measured_times`).  The ranks come from one of two places:
 
 * a plain ``pytest perf/`` spawns ``world_size`` local processes per case (gloo on the CPU, or NCCL with
@@ -40,7 +40,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cs336_systems import benchmarking, flops, gates, machine, matrix
+from cs336_systems.bench import harness as benchmarking
+from cs336_systems.bench import flops
+from cs336_systems.reporting import gates
+from cs336_systems.bench import machine
+from cs336_systems.bench import matrix
 from cs336_systems.parallel import launch
 
 OOM_KEY = pytest.StashKey[list]()

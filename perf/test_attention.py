@@ -1,4 +1,4 @@
-"""Attention benchmarks (cases from benchmarks.json; workloads: cs336_systems.attention_workloads).
+"""Attention benchmarks (cases from benchmarks.json; workloads: cs336_systems.bench.workloads.attention).
 
 attention    the handout's PyTorch-attention sweep (1.2.1): batch 8, q, k, v of shape (B, N, d), head
              dim x sequence length, forward and backward timed separately (the backward's forward
@@ -19,7 +19,8 @@ is skipped with the reason.
 
 import pytest
 
-from cs336_systems import attention, attention_workloads
+from cs336_systems import attention
+from cs336_systems.bench.workloads import attention as attention_workloads
 
 
 def _run_attention_case(case, bench, device):

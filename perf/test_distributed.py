@@ -9,7 +9,8 @@ Run with plain pytest (ranks spawned per case) or under torchrun; see perf/conft
 
 import pytest
 
-from cs336_systems.parallel import comm, train_workloads
+from cs336_systems.bench.workloads import allreduce as comm
+from cs336_systems.bench.workloads import data_parallel as train_workloads
 
 
 @pytest.mark.suite("allreduce")

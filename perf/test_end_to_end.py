@@ -11,7 +11,9 @@ warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no wa
 
 import pytest
 
-from cs336_systems import flops, model, workloads
+from cs336_systems import model
+from cs336_systems.bench import flops
+from cs336_systems.bench.workloads import lm as workloads
 
 
 def _run_lm_case(case, bench, device):

@@ -9,7 +9,7 @@ import torch
 from cs336_systems.attention.naive import naive_attention
 
 # Floor added to the "2x PyTorch's own error" bound, per dtype, relative to the example's largest reference
-# value (see tests/test_flash_pytorch.py for why it is needed where PyTorch's error is ~0).
+# value (see tests/attention/test_flash_pytorch.py for why it is needed where PyTorch's error is ~0).
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 

@@ -7,6 +7,10 @@ Every implementation is a function ``fn(q, k, v, is_causal=False) -> o`` with
 and any leading batch/head dimensions.  Causal masking is aligned at position 0: query i attends to keys
 j <= i (PyTorch SDPA's top-left convention, and the handout's ``torch.where(i >= j, S, -1e6)``).
 
+Public names: `attention(q, k, v, is_causal, impl=...)`, `names()`, `available(device)`, `get(name)`,
+`register(...)`, and the autograd.Function classes `FlashAttentionPytorch` and `FlashAttentionTriton`
+(Triton is imported only when the latter is first used).
+
 Each registered implementation carries an availability predicate, so callers (the model, the perf
 suites) can ask which implementations run on a device before trying them.  Unknown names raise
 ``ValueError`` listing the valid ones.
@@ -117,3 +121,22 @@ def _register_builtin() -> None:
 
 
 _register_builtin()
+
+# The autograd.Function classes, importable from here; FlashAttentionTriton is loaded on first access so
+# that importing the registry does not import Triton (see _flash_triton).
+_LAZY = {
+    "FlashAttentionPytorch": "cs336_systems.attention.flash_pytorch",
+    "FlashAttentionTriton": "cs336_systems.attention.flash_triton",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["AttentionImpl", "FlashAttentionPytorch", "FlashAttentionTriton", "attention", "available", "get",
+           "names", "register"]

@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.naive import MASK_VALUE
-from cs336_systems.profiling import nvtx_range
+from cs336_systems.nvtx import nvtx_range
 
 # Forward tile sizes (query rows x key rows per step; read at call time, so tests can shrink them).
 # The Python tile loop is launch-bound on a GPU, so its time scales with the number of tiles: on an

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from cs336_systems.attention import flash_launch as launch
+from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
-from cs336_systems.attention.flash_autotune import interpreter_active, select
-from cs336_systems.attention.flash_configs import HEAD_DIMS
-from cs336_systems.attention.flash_launch import direct
+from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
+from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
+from cs336_systems.attention.kernels.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 

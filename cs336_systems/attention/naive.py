@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from cs336_systems.profiling import nvtx_range
+from cs336_systems.nvtx import nvtx_range
 
 MASK_VALUE = -1e6
 

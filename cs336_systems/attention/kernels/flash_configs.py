@@ -1,0 +1,343 @@
+"""Tile configurations of the FlashAttention-2 Triton kernels, and how one is chosen for a call.
+
+Three kernels take a configuration each (the backward preprocess D = rowsum(O * dO) runs in the dQ
+kernel's prologue, with its query tile):
+
+    "fwd"   forward:  BLOCK_M queries resident, loop over BLOCK_N keys
+    "dkdv"  dK/dV:    BLOCK_N keys resident,    loop over BLOCK_M queries
+    "dq"    dQ:       BLOCK_M queries resident, loop over BLOCK_N keys
+
+The best configuration depends on the head dimension (register and shared-memory pressure), the
+element size and arithmetic (fp32 tiles take twice the shared memory or more; tf32x3 or IEEE FMA dots),
+causality (how much of the work is the masked diagonal band), the sequence length and the number of
+(batch x head) slices: with B*H = 1 a forward at N = 4096 has only 32 query tiles of 128 for 132 SMs, so
+smaller tiles (more programs) win there, while at the leaderboard shape (16 x 128 tiles) per-tile
+efficiency decides.  `ShapeKey` buckets exactly those parameters.
+
+Choice, first match wins (`flash_autotune.select`):
+  1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
+  2. `TUNED`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.flash_autotune`
+     and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one;
+  3. `default_config`: a conservative heuristic that fits every NVIDIA GPU from sm_80 on.
+Under the Triton interpreter the tiles are fixed small (32 x 32): the interpreter runs each program as numpy
+ops, and the property tests want many programs, ragged edges and several tiles per row, not speed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+KERNELS = ("fwd", "dkdv", "dq")
+DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
+TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
+HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
+N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
+BH_BUCKETS = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth, and how the
+    forward / dQ kernel streams K and V (`tma`): 0 pointer loads; 1 TMA descriptors for the unmasked tiles,
+    bounds-masked pointer loads for the diagonal band; 2 descriptors for the band too, where BLOCK_N divides
+    N (else mode 1).  `flash_launch.use_tma` decides whether the tensors allow descriptors; the dK/dV kernel
+    has no descriptor path and ignores the field.  Text form: "64x128w4s3", with a trailing "t" for mode 1
+    ("64x128w4s3t") or "b" for mode 2 ("64x128w4s3b")."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tma not in (0, 1, 2):
+            raise ValueError(f"TileConfig.tma must be 0, 1 or 2; got {self.tma!r}")
+        object.__setattr__(self, "tma", int(self.tma))  # True / False -> 1 / 0
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16 (tl.dot's minimum); got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16; got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages must be >= 1; got {self.num_stages}")
+
+    def launch_kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def short(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{TMA_SUFFIX[self.tma]}"
+
+    @classmethod
+    def parse(cls, text: str) -> TileConfig:
+        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=1)."""
+        try:
+            tma = TMA_SUFFIX.index(text[-1]) if text[-1:] in TMA_SUFFIX[1:] else 0
+            tiles, rest = (text[:-1] if tma else text).split("w")
+            warps, stages = rest.split("s")
+            block_m, block_n = tiles.split("x")
+            return cls(int(block_m), int(block_n), int(warps), int(stages), tma)
+        except ValueError as exc:
+            raise ValueError(f"tile config {text!r} is not of the form <BLOCK_M>x<BLOCK_N>w<warps>s<stages>: {exc}") from None
+
+
+FP32_DOT_ENV = "CS336_FLASH_FP32_DOT"
+FP32_DOTS = ("tf32x3", "ieee")
+
+
+def fp32_dot() -> str:
+    """How the kernels multiply float32 tiles: "tf32x3" (default) or "ieee" (``CS336_FLASH_FP32_DOT``).
+
+    "tf32x3" splits each operand into a TF32 high part and a TF32 remainder and sums three tensor-core
+    products (hi*hi + hi*lo + lo*hi; the dropped lo*lo term is ~2^-22 relative): close to fp32 accuracy at
+    tensor-core speed.  It is the arithmetic PyTorch's own fp32 SDPA kernel (mem-efficient, CUTLASS's
+    OpMultiplyAddFastF32) uses on sm_80+.  "ieee" multiplies on the FMA units, exact fp32 products, several
+    times slower and register-hungry at d >= 64 (results/h100/flash-attention-log.md, tenth session).
+    """
+    value = os.environ.get(FP32_DOT_ENV, "") or "tf32x3"
+    if value not in FP32_DOTS:
+        raise ValueError(f"{FP32_DOT_ENV} must be one of {FP32_DOTS}, got {value!r}")
+    return value
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """fp16 shares bf16's tables: same element size, same tensor-core rate.  float32 is "fp32x3" (tf32x3
+    dots, tensor cores) or "fp32ieee" (FMA dots): different arithmetic, different best tiles (and different
+    shared memory: an IEEE-tuned tile can run out of it with tf32x3).  Before the tenth session float32 had
+    one class, "fp32", tuned with IEEE dots; autotune-cache entries under that name are never read now."""
+    if dtype == torch.float32:
+        return "fp32x3" if fp32_dot() == "tf32x3" else "fp32ieee"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "half"
+    raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if value <= bucket:
+            return bucket
+    return buckets[-1]
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What a configuration is tuned for: head dim, dtype class, causal, N bucket, B*H bucket."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    n_bucket: int
+    bh_bucket: int
+
+    @classmethod
+    def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
+        n = max(n_queries, n_keys)
+        return cls(head_dim, dtype_class(dtype), bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
+
+    def text(self) -> str:
+        return f"d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}-n{self.n_bucket}-bh{self.bh_bucket}"
+
+    @classmethod
+    def parse(cls, text: str) -> ShapeKey:
+        try:
+            d, dtype, causal, n, bh = text.split("-")
+            if causal not in ("causal", "full") or dtype not in DTYPE_CLASSES:
+                raise ValueError("bad causal/dtype field")
+            return cls(int(d[1:]), dtype, causal == "causal", int(n[1:]), int(bh[2:]))
+        except ValueError as exc:
+            raise ValueError(f"shape key {text!r} is not of the form d<D>-<half|fp32x3|fp32ieee>-<causal|full>-n<N>-bh<BH>: {exc}") from None
+
+
+# TMA mode 2 for forward and dQ so that the property tests run the descriptor paths (the interpreter emulates
+# them): the band through descriptors where 32 divides N, through pointer loads elsewhere; non-contiguous
+# inputs still take the pointer loads.
+INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, 2), "dkdv": TileConfig(32, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1, 2)}
+
+
+def default_config(key: ShapeKey) -> dict[str, TileConfig]:
+    """A heuristic that fits sm_80+ shared memory for every supported d and dtype (no measurements)."""
+    d = key.head_dim
+    if key.dtype == "fp32ieee":
+        # fp32 tiles take twice the shared memory and IEEE dots run on the FMA units, unrolled: small
+        # tiles, which also compile 2-3x faster (sm_90, triton 3.9, d = 64: dK/dV 32x32 10 s vs 32x64 15 s
+        # vs 64x64 71 s); the H100 tuner picked these or 32x32 at N = 1024 for d = 16 and 32.
+        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
+    if key.dtype == "fp32x3":
+        # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
+        # 32-query tiles at d = 64 and 128 (tenth session; dK/dV 32 x 32 everywhere in its second round);
+        # these need 64-130 KB at d = 128 (Triton 3.9, sm_90), under sm_80's 163 KB.
+        return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
+    fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
+    bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
+    if key.n_bucket * key.bh_bucket <= 4096:
+        # Too few query tiles of 128 to fill the SMs: halve the tile, double the programs.
+        fwd = TileConfig(64, 64, 4, 3 if d <= 64 else 2)
+    return {"fwd": fwd, "dkdv": bwd, "dq": bwd}
+
+
+def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
+    return tuple(TileConfig(*spec) for spec in specs)
+
+
+# Hand-picked search spaces (BLOCK_M, BLOCK_N, warps, stages): the shapes that win somewhere in
+# FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
+# from an empty cache (every candidate compiled once) stays well under a minute.
+SEARCH_SPACE = {
+    # "t": K/V through TMA descriptors (ninth session, results/h100/run-2026-11-22-ninth-tma-library/): forward
+    # 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096, so
+    # only where measured to win.  64 x 32 left for it (never chosen).
+    ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+                              (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, 1)),
+    ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
+                               (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
+    # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
+    # 2.6-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
+    # and 32-key tiles lost every dQ measurement so far).
+    # TMA dQ (ninth session): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
+    # N 16384 (against the best pointer tile) but +26-28% at the leaderboard shape and at N 65536; the
+    # 128 x 32 tiles left for them (never chosen).
+    # Band mode (tenth session, results/h100/run-2026-11-22-tenth-band/): dQ 64 x 128 with the diagonal band
+    # through the descriptors too ran 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16
+    # at B*H 1, N 65536 (committed 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
+    # 64 x 128 w4 s4 left for it (last chosen before TMA).
+    ("dq", "half"): _configs((128, 64, 8, 3, 1), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (128, 64, 8, 3),
+                             (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
+                             (64, 128, 4, 3)),
+    # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
+    # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
+    # Tenth session, first tuning round (results/h100/run-2026-11-22-tenth-a/): 32 x 64 won every kernel at
+    # d = 64 and 128, N 1024-16384, B*H 1; 64-query dQ and dK/dV tiles run out of shared memory at d = 128.
+    # The second round (run-2026-11-22-tenth-b/) moved dK/dV to 32 x 32 (d = 128, N 16384: 3.84 vs 6.55 ms),
+    # so the third added the 32 x 32 and 16-query variants around it (run-2026-11-22-tenth-d/).
+    ("fwd", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
+                              (64, 32, 4, 3), (128, 32, 8, 3)),
+    ("dkdv", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
+                               (64, 64, 4, 2), (64, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 3), (16, 32, 4, 2)),
+    ("dq", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (32, 128, 4, 2),
+                             (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 8, 2), (32, 32, 4, 3), (16, 64, 4, 2)),
+    # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
+    ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
+    # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
+    ("dkdv", "fp32ieee"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
+    ("dq", "fp32ieee"): _configs((64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
+}
+
+
+def candidates(kernel: str, key: ShapeKey) -> list[TileConfig]:
+    """The configurations the autotuner tries for `kernel` at `key`: `SEARCH_SPACE`, pruned.
+
+    Pruning: tiles no larger than the (bucketed) sequence needs, and an estimate of the pipelined shared
+    memory (the resident tiles plus `num_stages` copies of the streamed ones) under 200 KiB, so the
+    228 KiB of an H100 SM leaves room for Triton's layout-conversion scratch.  Anything that still fails
+    to compile or launch is skipped by the tuner.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    element = 2 if key.dtype == "half" else 4
+    limit = max(key.n_bucket, 64)
+    out = []
+    for cfg in SEARCH_SPACE[(kernel, key.dtype)]:
+        if max(cfg.block_m, cfg.block_n) > limit:
+            continue
+        if _shared_bytes(kernel, cfg.block_m, cfg.block_n, key.head_dim, element, cfg.num_stages) > 200 * 1024:
+            continue
+        out.append(cfg)
+    return out
+
+
+def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int, stages: int) -> int:
+    if kernel == "fwd":  # Q resident; K and V streamed
+        return element * d * (block_m + 2 * stages * block_n)
+    if kernel == "dkdv":  # K and V resident; Q and dO streamed
+        return element * d * (2 * block_n + 2 * stages * block_m)
+    return element * d * (2 * block_m + 2 * stages * block_n)  # dq: Q and dO resident; K and V streamed
+
+
+# Measured on an H100 80GB HBM3 (sm_90), torch 2.11, triton 3.6, with
+#   python -m cs336_systems.flash_autotune --dtype bf16 --shape 16,16384,64 ... --json ...
+# (results/h100/probes/run-issue7-tune.sh; every candidate's time in results/h100/flash-autotune-bf16.json).
+# Keys are ShapeKey.text(); values TileConfig.short().  The two fp32ieee entries were tuned when IEEE
+# was the only fp32 arithmetic (fourth session).
+TUNED_SM90: dict[str, dict[str, str]] = {
+    "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    # float32, tf32x3 dots: the tenth session's tuning rounds, d = 16 / 32 from the second
+    # (results/h100/run-2026-11-22-tenth-b/), d = 64 / 128 from the third (run-2026-11-22-tenth-d/); each
+    # tune-fp32.json has every candidate's time.  At N = 1024 the tuner's per-kernel times are host-bound
+    # (tens of microseconds) and varied 2-3x between its two rounds: those entries are the weakest.
+    "d16-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d16-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32x3-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d32-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
+    "d64-fp32x3-causal-n1024-bh1": {"fwd": "32x64w4s3", "dkdv": "32x32w4s3", "dq": "16x64w4s2"},
+    "d64-fp32x3-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d64-fp32x3-causal-n16384-bh1": {"fwd": "32x128w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
+    "d128-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d128-fp32x3-causal-n4096-bh1": {"fwd": "128x32w8s3", "dkdv": "32x32w4s2", "dq": "16x64w4s2"},
+    "d128-fp32x3-causal-n16384-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x32w4s2"},
+    "d16-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d16-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x128w4s4", "dq": "64x64w4s3"},
+    "d32-half-causal-n1024-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d32-half-causal-n65536-bh1": {"fwd": "64x128w4s3", "dkdv": "32x64w4s3", "dq": "64x64w4s3"},
+    "d64-half-causal-n1024-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s2", "dq": "128x64w8s3"},
+    "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3"},
+    "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3t"},
+    # fwd and dq re-chosen by a same-run A/B in the harness (forward+backward, compiled, device time:
+    # 5.27 vs 5.45 ms for the tuner's first picks; results/h100/probes/wide-tune-probe-2026-11-21e.json);
+    # dq again in the eighth session, 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled
+    # forward+backward 5.260 vs 5.297 ms interleaved (results/h100/run-2026-11-21-eighth-dq-tiles/).
+    # The d = 64, B*H = 1 dq entries changed with the same probe (kernel alone: N = 4096 0.034 vs 0.040 ms,
+    # N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
+    # Ninth session (results/h100/run-2026-11-22-ninth-tma-library*/, each kernel alone, two runs of two
+    # passes): TMA forward at the leaderboard shape 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward
+    # 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208 and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280;
+    # N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4 0.112-0.119.
+    # Tenth session (run-2026-11-22-tenth-band/): dQ 64x128w4s3b (band mode) 1.198-1.202 ms vs 64x128w4s3
+    # 1.333; compiled forward+backward 5.162 / 5.097 vs 5.232 / 5.296 ms interleaved; at N 65536, B*H 1
+    # 1.156-1.158 vs 128x64w8s3t 1.264-1.279.
+    "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
+    "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "64x128w4s3b"},
+    "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    # d = 128 dQ re-measured in the ninth session (pointer loads; two runs of two passes): N 4096 64x128w4s3
+    # 0.0503-0.0505 vs 64x64w4s3 0.0543-0.0544 ms; B*H 16, N 16384 128x64w8s3 2.45-2.59 vs 128x128w8s2 2.72-2.85.
+    "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
+    "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
+    "d128-half-causal-n65536-bh1": {"fwd": "64x64w4s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
+}
+
+
+def _tuned_sm90() -> dict[ShapeKey, dict[str, TileConfig]]:
+    return {ShapeKey.parse(k): {kern: TileConfig.parse(c) for kern, c in v.items()} for k, v in TUNED_SM90.items()}
+
+
+def nearest_tuned(key: ShapeKey, table: dict[ShapeKey, dict[str, TileConfig]]) -> dict[str, TileConfig] | None:
+    """The table entry for the same (d, dtype, causal) closest to `key` in log2(N), then log2(B*H)."""
+    same = [k for k in table if (k.head_dim, k.dtype, k.causal) == (key.head_dim, key.dtype, key.causal)]
+    if not same:
+        return None
+
+    def distance(k: ShapeKey) -> tuple[float, float]:
+        return (abs(math.log2(k.n_bucket / key.n_bucket)), abs(math.log2(k.bh_bucket / key.bh_bucket)))
+
+    return table[min(same, key=distance)]
+
+
+def tuned_for_device(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
+    """The committed measurements for this device's architecture, if any."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return nearest_tuned(key, _tuned_sm90())
+
+
+def as_dict(configs: dict[str, TileConfig]) -> dict[str, dict]:
+    return {kernel: asdict(cfg) for kernel, cfg in configs.items()}

@@ -1,0 +1,198 @@
+"""Launchers of the FlashAttention-2 Triton kernels, one per kernel, with an explicit tile configuration.
+
+Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  `wrap` is applied to
+each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
+
+On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
+descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's
+`triton_op` tracing cannot bind a descriptor argument under torch.compile).
+
+The softmax scales are constexprs: inductor passes Python floats to user kernels as fp64 scalars,
+which once turned every score tile's multiply into fp64 (see results/h100/flash-attention-log.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from cs336_systems.attention.kernels import flash_kernels as kernels
+from cs336_systems.attention.kernels.flash_configs import TileConfig, fp32_dot
+
+LOG2E = 1.4426950408889634
+
+
+def direct(kernel):
+    """Launch the kernel as is (no tracing wrapper)."""
+    return kernel
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: for fp32 inputs `flash_configs.fp32_dot` ("tf32x3" by default, "ieee" on
+    request; plain TF32 would lose fp32 accuracy); ignored for 16-bit inputs."""
+    return fp32_dot() if dtype == torch.float32 else "tf32"
+
+
+TMA_ENV = "CS336_FLASH_TMA"
+
+
+def use_tma(t: torch.Tensor) -> bool:
+    """Whether the forward and dQ kernels load `t`'s (K or V) unmasked tiles through a tensor descriptor.
+
+    Yes on sm_90+ GPUs and under the interpreter (so the CPU tests run that path), when `t` (BH, N, d) is
+    contiguous (the descriptor covers its BH * N rows of d), 16-byte aligned (a TMA requirement) and its
+    row count fits the descriptor's int32 coordinates; otherwise the pointer loads.
+    ``CS336_FLASH_TMA=0`` forces pointer loads everywhere (for same-run A/B measurements).
+    """
+    forced = os.environ.get(TMA_ENV, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    if t.device.type == "cuda":
+        if _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[0] * t.shape[1] < 2**31
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None):
+    """(TMA mode, K_DESC, V_DESC) for the forward and dQ launchers.  ``tma`` None takes the configuration's
+    mode where `use_tma` allows descriptors (else 0); 0 / 1 / 2 force it.  Mode 2 (the diagonal band's tiles
+    through the descriptors too) falls back to 1 unless BLOCK_N divides N: a band tile crossing N would read
+    the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
+    in mode 0."""
+    if tma is None:
+        tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
+    if tma not in (0, 1, 2):
+        raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
+    if not tma:
+        return 0, None, None
+    bh, n, d = k.shape
+    k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [cfg.block_n, d]) for t in (k, v))
+    return (1 if n % cfg.block_n else int(tma)), k_desc, v_desc
+
+
+SPLITS_ENV = "CS336_FLASH_SPLITS"
+MAX_KEY_SPLITS = 8
+MIN_TILES_PER_SPLIT = 2  # a chunk shorter than this many key tiles does not repay its partial write
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
+    """How many key chunks the forward splits each query tile into (1: the unsplit kernel).
+
+    Split only when the unsplit grid (query tiles x B*H) leaves at least half of the SMs idle: then the
+    forward's time is the longest program's key loop, and SPLITS chunks shorten it SPLITS-fold for the
+    price of a float32 partial output per chunk and a combine kernel.  Enough splits to bring the grid
+    to about one program per SM, at most MAX_KEY_SPLITS, and chunks of at least MIN_TILES_PER_SPLIT key
+    tiles.  Only on CUDA devices (the interpreter has no SMs; tests pass ``splits`` explicitly).
+    ``CS336_FLASH_SPLITS=<n>`` overrides the choice (1: never split; for same-run A/B measurements).
+    """
+    forced = os.environ.get(SPLITS_ENV)
+    if forced:
+        try:
+            value = int(forced)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{SPLITS_ENV} must be a positive integer, got {forced!r}")
+        return value
+    if q.device.type != "cuda":
+        return 1
+    bh, n_queries, _ = q.shape
+    programs = triton.cdiv(n_queries, cfg.block_m) * bh
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if 2 * programs > sms:
+        return 1
+    by_length = triton.cdiv(n_keys, cfg.block_n) // MIN_TILES_PER_SPLIT
+    return max(1, min(MAX_KEY_SPLITS, sms // programs, by_length))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+            cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
+            tma: int | None = None) -> None:
+    """o (BH, Nq, d) and lse (BH, Nq) written in place.
+
+    ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
+    partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
+    ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
+    has about one program per SM, so it has no order to choose and ignores it.
+    ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
+    `_kv_descriptors`).
+    """
+    bh, n_queries, d = q.shape
+    splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
+    if splits > 1:
+        o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
+        l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
+        wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
+            q, k, v, o_part, l_part, k_desc, v_desc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, **cfg.launch_kwargs(),
+        )
+        combine_rows = 64 if d <= 64 else 32  # a (rows, d) float32 accumulator per program
+        wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
+            o_part, l_part, o, lse, o.stride(0), o.stride(1), n_queries,
+            HEAD_DIM=d, BLOCK_M=combine_rows, SPLITS=splits, num_warps=4,
+        )
+        return
+    grid = (triton.cdiv(n_queries, cfg.block_m), bh)
+    wrap(kernels.flash_fwd_kernel)[grid](
+        q, k, v, o, lse, k_desc, v_desc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
+        **cfg.launch_kwargs(),
+    )
+
+
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct) -> None:
+    """dk, dv (BH, Nk, d) written in place."""
+    bh, n_queries, d = q.shape
+    n_keys = k.shape[1]
+    sm_scale = 1.0 / math.sqrt(d)
+    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), bh)](
+        q, k, v, do, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        n_queries, n_keys, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), **cfg.launch_kwargs(),
+    )
+
+
+def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
+       longest_first: bool = True, *, o: torch.Tensor, tma: int | None = None) -> None:
+    """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
+    kernel reads: launch this one first).  ``tma`` as in `forward`."""
+    bh, n_queries, d = q.shape
+    sm_scale = 1.0 / math.sqrt(d)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
+    wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
+        q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
+        n_queries, k.shape[1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
+        **cfg.launch_kwargs(),
+    )

@@ -1,0 +1,372 @@
+"""benchmarks.json: the declarative benchmark matrix, loaded and validated once.
+
+Layout::
+
+    {
+      "suites": {
+        "<suite>": {
+          "description": "...",
+          "profiles": {
+            "cpu":  [ <grid>, ... ],      # each grid is a cartesian product of its list-valued axes
+            "gpu":  [ <grid>, ... ],
+            "full": [ <grid>, ... ]
+          }
+        }
+      },
+      "gates": [ ... ]                     # regression gates (ratio checks), filled by later suites
+    }
+
+A grid maps axis names to lists of values (``"sizes": ["small", "xl"]``) and settings to scalars
+(``"warmup": 5``).  A nullable axis takes ``null`` as one of its values (``"heads": [null]``: no heads
+dimension).  A profile's cases are the union of its grids' products, duplicates removed, in
+file order.  Every suite declares its schema in SUITE_SCHEMAS: an unknown suite, profile, key or a bad
+value raises `MatrixError` naming where it is (``suites.end_to_end.profiles.gpu[1].sizes[2]``).
+
+A person changes what is measured by editing the JSON; no code changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cs336_systems.amp import PRECISIONS
+from cs336_systems.bench.workloads.attention import DTYPES as ATTENTION_DTYPES
+from cs336_systems.bench.workloads.attention import MODES as ATTENTION_MODES
+from cs336_systems.model import SIZES
+from cs336_systems.bench.workloads.lm import MODES as LM_MODES
+
+PROFILES = ("cpu", "gpu", "full")
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks.json"
+
+
+class MatrixError(ValueError):
+    """benchmarks.json is malformed; the message names the offending key or value."""
+
+
+# --- value validators: each returns the value or raises MatrixError(f"{where}: ...") -----------------
+
+Validator = Callable[[object, str], object]
+
+
+def _positive_int(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise MatrixError(f"{where}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative_int(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise MatrixError(f"{where}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _boolean(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise MatrixError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise MatrixError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _optional(check: Validator) -> Validator:
+    """``check``, or None (JSON null) meaning "absent" (e.g. no heads dimension)."""
+
+    def nullable(value: object, where: str) -> object:
+        return None if value is None else check(value, where)
+
+    return nullable
+
+
+def _one_of(valid: Callable[[], list[str]] | tuple[str, ...]) -> Validator:
+    def check(value: object, where: str) -> str:
+        options = list(valid() if callable(valid) else valid)
+        if value not in options:
+            raise MatrixError(f"{where}: unknown value {value!r}; valid: {', '.join(map(str, options))}")
+        return value  # type: ignore[return-value]
+
+    return check
+
+
+def _attention_names() -> list[str]:
+    from cs336_systems import attention
+
+    return attention.names()
+
+
+@dataclass(frozen=True)
+class Key:
+    """One grid key: ``axis`` keys take a non-empty list (one case per value), others a scalar."""
+
+    check: Validator
+    axis: bool
+    required: bool = True
+    default: object = None
+
+
+_LM_GRID = {
+    "sizes": Key(_one_of(lambda: list(SIZES)), axis=True),
+    "contexts": Key(_positive_int, axis=True),
+    "batch_sizes": Key(_positive_int, axis=True),
+    "modes": Key(_one_of(LM_MODES), axis=True),
+    "precisions": Key(_one_of(tuple(PRECISIONS)), axis=True),
+    "compile": Key(_boolean, axis=True),
+    "attention": Key(_one_of(_attention_names), axis=True, required=False, default=["sdpa"]),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
+def _checkpoint_policy(value: object, where: str) -> str:
+    from cs336_systems.checkpointing import CheckpointPolicy
+
+    try:
+        return str(CheckpointPolicy.parse(value))
+    except (TypeError, ValueError) as exc:
+        raise MatrixError(f"{where}: {exc}") from None
+
+
+# Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
+_CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
+
+# The warm-up study reuses the LM grid but sweeps the number of warm-up rounds.
+_WARMUP_GRID = {**_LM_GRID, "warmup": Key(_non_negative_int, axis=True)}
+
+# Attention alone (cs336_systems.bench.workloads.attention): q, k, v of shape (B, N, d), or (B, H, N, d) when
+# "heads" is a number; Nq = Nk = N.  "compile" wraps the registered function in
+# torch.compile(fullgraph=True); "flush_l2" zeroes a 256 MiB buffer before every round (untimed), as
+# triton.testing.do_bench does; "timings" picks how a round is timed (`cs336_systems.bench.harness`: "host",
+# the synchronizing clock, "device", CUDA events as do_bench, or "graph", CUDA events around CUDA-graph
+# replays of the step, as do_bench_cudagraph; not with mode "backward").  The attention, flash and leaderboard
+# suites share this schema and differ in their values (benchmarks.json).
+_ATTENTION_GRID = {
+    "impls": Key(_one_of(_attention_names), axis=True),
+    "batch_sizes": Key(_positive_int, axis=True),
+    "heads": Key(_optional(_positive_int), axis=True, required=False, default=[None]),
+    "seq_lens": Key(_positive_int, axis=True),
+    "head_dims": Key(_positive_int, axis=True),
+    "dtypes": Key(_one_of(ATTENTION_DTYPES), axis=True),
+    "causal": Key(_boolean, axis=True),
+    "modes": Key(_one_of(ATTENTION_MODES), axis=True),
+    "compile": Key(_boolean, axis=True, required=False, default=[False]),
+    "flush_l2": Key(_boolean, axis=False, required=False, default=False),
+    "timings": Key(_one_of(("host", "device", "graph")), axis=True, required=False, default=["host"]),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
+def _positive_number(value: object, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise MatrixError(f"{where}: expected a positive number, got {value!r}")
+    return value
+
+
+def _data_parallel_variants() -> tuple[str, ...]:
+    from cs336_systems.bench.workloads.data_parallel import VARIANTS
+    return VARIANTS
+
+
+# Collectives (cs336_systems.bench.workloads.allreduce): one all-reduce of a float32 tensor of size_mb MiB on
+# world_size ranks (spawned locally, or the torchrun job's ranks), inner_iters back-to-back per round.
+_ALLREDUCE_GRID = {
+    "backends": Key(_one_of(("gloo", "nccl")), axis=True),
+    "sizes_mb": Key(_positive_number, axis=True),
+    "world_sizes": Key(_positive_int, axis=True),
+    "inner_iters": Key(_positive_int, axis=False, required=False, default=1),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
+# Data-parallel training steps (cs336_systems.bench.workloads.data_parallel): LM size x context x per-rank
+# batch x precision x variant (x bucket size for the bucketed variants; null = not bucketed / one bucket).
+_DATA_PARALLEL_GRID = {
+    "variants": Key(_one_of(_data_parallel_variants), axis=True),
+    "bucket_sizes_mb": Key(_optional(_positive_number), axis=True, required=False, default=[None]),
+    "sizes": Key(_one_of(lambda: list(SIZES)), axis=True),
+    "contexts": Key(_positive_int, axis=True),
+    "batch_sizes": Key(_positive_int, axis=True),
+    "precisions": Key(_one_of(tuple(PRECISIONS)), axis=True),
+    "world_sizes": Key(_positive_int, axis=True),
+    "backends": Key(_one_of(("gloo", "nccl")), axis=True),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_string, axis=False, required=False, default="default"),
+}
+
+SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
+    "end_to_end": _LM_GRID,
+    "warmup_study": _WARMUP_GRID,
+    "checkpointing": _CHECKPOINT_GRID,
+    "attention": _ATTENTION_GRID,
+    "flash": _ATTENTION_GRID,
+    "leaderboard": _ATTENTION_GRID,
+    "allreduce": _ALLREDUCE_GRID,
+    "data_parallel": _DATA_PARALLEL_GRID,
+}
+
+# Axis key (plural, in the JSON) -> case field (singular, in the expanded case).
+_SINGULAR = {
+    "sizes": "size",
+    "contexts": "context",
+    "batch_sizes": "batch_size",
+    "modes": "mode",
+    "precisions": "precision",
+    "compile": "compile",
+    "attention": "attention",
+    "warmup": "warmup",
+    "impls": "impl",
+    "heads": "heads",
+    "seq_lens": "seq_len",
+    "head_dims": "head_dim",
+    "dtypes": "dtype",
+    "causal": "causal",
+    "backends": "backend",
+    "checkpoints": "checkpoint",
+    "sizes_mb": "size_mb",
+    "world_sizes": "world_size",
+    "variants": "variant",
+    "bucket_sizes_mb": "bucket_size_mb",
+    "timings": "timing",
+}
+
+
+def _check_keys(obj: object, where: str, allowed: set[str], required: set[str]) -> dict:
+    if not isinstance(obj, dict):
+        raise MatrixError(f"{where}: expected an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise MatrixError(f"{where}: unknown key {unknown[0]!r}; valid: {', '.join(sorted(allowed))}")
+    missing = sorted(required - set(obj))
+    if missing:
+        raise MatrixError(f"{where}: missing required key {missing[0]!r}")
+    return obj
+
+
+def _validate_grid(grid: object, schema: dict[str, Key], where: str) -> dict:
+    required = {name for name, key in schema.items() if key.required}
+    grid = _check_keys(grid, where, set(schema), required)
+    out = {}
+    for name, key in schema.items():
+        value = grid.get(name, key.default)
+        if key.axis:
+            if not isinstance(value, list) or not value:
+                raise MatrixError(f"{where}.{name}: expected a non-empty list, got {value!r}")
+            out[name] = [key.check(v, f"{where}.{name}[{i}]") for i, v in enumerate(value)]
+        else:
+            out[name] = key.check(value, f"{where}.{name}")
+    if "graph" in out.get("timings", ()) and "backward" in out.get("modes", ()):
+        # a graph replays one captured step: the untimed forward before a timed backward cannot run between
+        # replays (cs336_systems.bench.harness, timing="graph"); the case could never run
+        raise MatrixError(f"{where}: timings 'graph' cannot time mode 'backward' (its forward runs untimed "
+                          "before every round); use modes forward / forward-backward, or timings device")
+    return out
+
+
+def case_fields(suite: str) -> set[str]:
+    """The field names of a suite's expanded cases (axis keys singular, settings as they are)."""
+    return {_SINGULAR.get(name, name) if key.axis else name for name, key in SUITE_SCHEMAS[suite].items()}
+
+
+def _validate_gate(gate: object, where: str) -> dict:
+    """A ratio gate (`cs336_systems.reporting.gates`): numerator cases over their denominator twins <= max_ratio."""
+    gate = _check_keys(
+        gate, where,
+        {"name", "suite", "where", "numerator", "denominator", "max_ratio", "statistic"},
+        {"name", "suite", "numerator", "denominator", "max_ratio"},
+    )
+    _string(gate["name"], f"{where}.name")
+    _one_of(tuple(SUITE_SCHEMAS))(gate["suite"], f"{where}.suite")
+    fields = case_fields(gate["suite"])
+    for side in ("where", "numerator", "denominator"):
+        if side == "where" and side not in gate:
+            continue
+        if not isinstance(gate[side], dict) or (side != "where" and not gate[side]):
+            raise MatrixError(f"{where}.{side}: expected a non-empty object of case fields")
+        unknown = sorted(set(gate[side]) - fields)
+        if unknown:
+            raise MatrixError(
+                f"{where}.{side}: unknown case field {unknown[0]!r}; valid: {', '.join(sorted(fields))}"
+            )
+    ratio = gate["max_ratio"]
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
+        raise MatrixError(f"{where}.max_ratio: expected a positive number, got {ratio!r}")
+    _one_of(("median", "mean", "min"))(gate.get("statistic", "median"), f"{where}.statistic")
+    return gate
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """The validated matrix: suite -> profile -> grids, plus gates."""
+
+    suites: dict[str, dict[str, list[dict]]]
+    descriptions: dict[str, str]
+    gates: list[dict]
+
+    def cases(self, suite: str, profile: str, groups: set[str] | None = None) -> list[dict]:
+        """Expanded cases of a suite under a profile: one dict per case, singular field names.
+
+        A case listed by several grids is kept once, with the first grid's ``group``.  ``groups``: only the
+        grids of these groups are expanded, before duplicates are merged, so a case that an earlier grid of
+        another group also lists still runs when its own group is selected (a group's same-run baselines).
+        """
+        if suite not in self.suites:
+            raise ValueError(f"unknown suite {suite!r}; valid: {', '.join(self.suites)}")
+        if profile not in PROFILES:
+            raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+        seen: dict[tuple, dict] = {}
+        for grid in self.suites[suite].get(profile, []):
+            if groups is not None and grid.get("group") not in groups:
+                continue
+            axes = [name for name in grid if isinstance(grid[name], list)]
+            scalars = {name: value for name, value in grid.items() if not isinstance(value, list)}
+            for values in itertools.product(*(grid[name] for name in axes)):
+                case = {**{_SINGULAR[n]: v for n, v in zip(axes, values)}, **scalars}
+                identity = tuple(sorted((k, v) for k, v in case.items() if k != "group"))
+                seen.setdefault(identity, case)
+        return list(seen.values())
+
+
+def parse(data: object) -> Matrix:
+    """Validate the decoded JSON of benchmarks.json."""
+    data = _check_keys(data, "benchmarks.json", {"suites", "gates", "$comment"}, {"suites"})
+    if not isinstance(data["suites"], dict):
+        raise MatrixError("suites: expected an object")
+    suites, descriptions = {}, {}
+    for suite, body in data["suites"].items():
+        where = f"suites.{suite}"
+        if suite not in SUITE_SCHEMAS:
+            raise MatrixError(f"{where}: unknown suite {suite!r}; valid: {', '.join(SUITE_SCHEMAS)}")
+        body = _check_keys(body, where, {"description", "profiles"}, {"profiles"})
+        descriptions[suite] = body.get("description", "")
+        profiles = _check_keys(body["profiles"], f"{where}.profiles", set(PROFILES), set())
+        suites[suite] = {}
+        for profile, grids in profiles.items():
+            pwhere = f"{where}.profiles.{profile}"
+            if not isinstance(grids, list):
+                raise MatrixError(f"{pwhere}: expected a list of grids, got {type(grids).__name__}")
+            suites[suite][profile] = [
+                _validate_grid(g, SUITE_SCHEMAS[suite], f"{pwhere}[{i}]") for i, g in enumerate(grids)
+            ]
+    gates = data.get("gates", [])
+    if not isinstance(gates, list):
+        raise MatrixError("gates: expected a list")
+    return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]") for i, g in enumerate(gates)])
+
+
+def load(path: str | Path = DEFAULT_PATH) -> Matrix:
+    """Read and validate a benchmarks.json file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MatrixError(f"{path}: invalid JSON: {exc}") from None
+    return parse(data)

@@ -1,0 +1,154 @@
+"""End-to-end LM tables.
+
+Tables for the end-to-end suites:
+  * per (precision, eager/compiled, attention): size x context rows, per mode mean +- std ms and MFU,
+    tokens/s and peak memory of the train step; OOM cells say OOM;
+  * fp32 vs bf16, eager vs compiled and naive vs sdpa attention: same-run medians and speedup;
+  * the warm-up study: mean +- std per number of warm-up steps.
+"""
+
+from __future__ import annotations
+
+from cs336_systems.reporting.tables import (
+    LM_FIELDS,
+    MODE_ORDER,
+    cell_time,
+    compile_label,
+    fmt,
+    md_table,
+    size_order,
+    stat_ms,
+)
+
+
+def end_to_end_tables(entries: list[dict]) -> str:
+    """One table per (precision, eager/compiled, attention, batch size): size x context rows."""
+    lm = [e for e in entries if e.get("test") == "test_end_to_end"]
+    out = []
+    variants = sorted(
+        {(e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size")) for e in lm},
+        key=str,
+    )
+    for precision, compiled, attention, batch in variants:
+        subset = [
+            e for e in lm
+            if (e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size"))
+            == (precision, compiled, attention, batch)
+        ]
+        modes = [m for m in MODE_ORDER if any(e.get("mode") == m for e in subset)]
+        cells = {(e["size"], e["context"], e["mode"]): e for e in subset}
+        header = ["size", "context"]
+        for mode in modes:
+            header += [f"{mode} ms (mean ± std)", f"{mode} MFU"]
+        header += ["tokens/s (last mode)", "peak GiB (last mode)"]
+        rows = []
+        for size, context in sorted({(e["size"], e["context"]) for e in subset},
+                                    key=lambda sc: size_order({"size": sc[0], "context": sc[1]})):
+            row = [size, str(context)]
+            for mode in modes:
+                entry = cells.get((size, context, mode))
+                mfu = entry.get("mfu") if entry and entry.get("status") == "ok" else None
+                row += [cell_time(entry), fmt(None if mfu is None else 100 * mfu, ".1f") + ("%" if mfu else "")]
+            last = cells.get((size, context, modes[-1]))
+            ok = last is not None and last.get("status") == "ok"
+            row += [
+                fmt(last.get("tokens_per_s") if ok else None, ",.0f"),
+                fmt(last.get("peak_memory_gib") if ok else None, ".1f") if ok else ("OOM" if last else "-"),
+            ]
+            rows.append(row)
+        title = f"### End-to-end: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
+        out.append(title + "\n\n" + md_table(header, rows))
+    return "\n\n".join(out)
+
+
+def comparison_table(entries: list[dict], field: str, baseline, variant, title: str) -> str:
+    """Pair cases that differ only in ``field`` (baseline vs variant): medians and speedup."""
+    lm = [e for e in entries if e.get("test") == "test_end_to_end"]
+    others = [f for f in LM_FIELDS if f != field]
+    index = {(tuple(e.get(f) for f in others), e.get(field)): e for e in lm}
+    rows = []
+    for (rest, value), base in sorted(index.items(), key=lambda kv: (size_order(kv[1]), str(kv[0]))):
+        if value != baseline or (rest, variant) not in index:
+            continue
+        other = index[(rest, variant)]
+        b, v = stat_ms(base), stat_ms(other)
+        case = dict(zip(others, rest))
+        label = [str(case.get(f)) if f != "compile" else compile_label(case.get(f)) for f in others]
+        speedup = f"{b / v:.2f}x" if b and v else "-"
+        rows.append(label + [fmt(b, ".2f") if b else cell_time(base),
+                             fmt(v, ".2f") if v else cell_time(other), speedup])
+    if not rows:
+        return ""
+    header = list(others) + [f"{baseline} median ms", f"{variant} median ms", f"speedup {variant}/{baseline}"]
+    return f"### {title}\n\n" + md_table(header, rows)
+
+
+def warmup_table(entries: list[dict]) -> str:
+    study = [e for e in entries if e.get("test") == "test_warmup_study"]
+    if not study:
+        return ""
+    rows = []
+    for e in sorted(study, key=lambda e: (size_order(e), e.get("mode", ""), str(e.get("precision")),
+                                          bool(e.get("compile")), e.get("warmup", 0))):
+        rows.append([e["size"], str(e["context"]), e["mode"], e["precision"], compile_label(e.get("compile")),
+                     str(e.get("warmup")), cell_time(e), fmt(stat_ms(e, "max"), ".2f"), fmt(stat_ms(e, "min"), ".2f")])
+    header = ["size", "context", "mode", "precision", "compile", "warm-up steps", "ms (mean ± std)", "max ms",
+              "min ms"]
+    return "### Warm-up study\n\n" + md_table(header, rows)
+
+
+def peak_memory_tables(entries: list[dict]) -> str:
+    """End-to-end peak memory (GiB, measured rounds only) per size x context, one column per (mode,
+    precision): the seeds' "peak memory of the 2.7B model" table, for every size that ran."""
+    lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
+          and e.get("attention") == "sdpa"]
+    cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}
+    columns = [(m, p) for m in MODE_ORDER for p in ("fp32", "bf16", "fp16")
+               if any(k[3] == m and k[4] == p for k in cells)]
+    if not columns or not any(e.get("peak_memory_gib") is not None for e in lm):
+        return ""
+    rows = []
+    for size, context, batch in sorted({k[:3] for k in cells}, key=lambda k: (size_order({"size": k[0], "context": k[1]}), k[2])):
+        row = [str(size), str(context), str(batch)]
+        for mode, precision in columns:
+            e = cells.get((size, context, batch, mode, precision))
+            if e is None:
+                row.append("-")
+            elif e.get("status") == "oom":
+                row.append("OOM")
+            else:
+                row.append(fmt(e.get("peak_memory_gib"), ".2f"))
+        rows.append(row)
+    header = ["size", "context", "batch"] + [f"{m} {p} GiB" for m, p in columns]
+    return "### Peak memory (eager, SDPA attention)\n\n" + md_table(header, rows)
+
+
+def checkpointing_tables(entries: list[dict]) -> str:
+    """Per LM case, one row per activation-checkpointing policy: time and peak memory, and both relative
+    to the same run's "none" policy (recomputation costs time, saves activation memory)."""
+    cases = [e for e in entries if e.get("test") == "test_checkpointing"]
+    if not cases:
+        return ""
+    fields = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
+    out = []
+    for key in sorted({tuple(e.get(f) for f in fields) for e in cases}, key=str):
+        group = [e for e in cases if tuple(e.get(f) for f in fields) == key]
+        none = next((e for e in group if e.get("checkpoint") == "none"), None)
+        rows = []
+        for e in sorted(group, key=lambda e: (e.get("checkpoint") != "none", str(e.get("checkpoint")))):
+            ms, base_ms = stat_ms(e), stat_ms(none)
+            peak = e.get("peak_memory_gib") if e.get("status") == "ok" else None
+            base_peak = none.get("peak_memory_gib") if none and none.get("status") == "ok" else None
+            same_run = none is not None and none.get("run") == e.get("run")
+            rows.append([
+                str(e.get("checkpoint")), cell_time(e),
+                f"{ms / base_ms:.2f}x" if ms and base_ms and same_run else "-",
+                fmt(peak, ".2f"),
+                f"{peak / base_peak:.2f}x" if peak and base_peak and same_run else "-",
+            ])
+        case = dict(zip(fields, key))
+        title = (f"### Activation checkpointing: {case['size']}, context {case['context']}, batch "
+                 f"{case['batch_size']}, {case['mode']}, {case['precision']}, {compile_label(case['compile'])}")
+        out.append(title + "\n\n" + md_table(["policy", "ms (mean ± std)", "time ÷ none", "peak GiB", "peak ÷ none"],
+                                            rows))
+    return "\n\n".join(out)

@@ -1,0 +1,166 @@
+"""Saved pytest-benchmark runs -> Markdown tables (and PNG plots), run comparisons, the README's results.
+
+    python -m cs336_systems.report RUN.json [RUN2.json ...] [-o report.md] [--plots DIR]
+    python -m cs336_systems.report --compare OLD.json NEW.json [-o diff.md] [--threshold 10] [--any-machine]
+    python -m cs336_systems.report --readme README.md
+
+``--plots DIR`` draws the plots of `cs336_systems.reporting.plots` (needs matplotlib, the ``plot`` extra) and links
+them at the end of the report, relative to the report's directory.
+
+``--compare`` pairs the cases of two runs by pytest node id (`cs336_systems.reporting.compare`): old and new
+median, delta %, flagged beyond ``--threshold`` percent; runs from different machines are refused (exit
+status 2) unless ``--any-machine``.
+
+``--readme`` rewrites the generated block of the README's "## Results" section from the committed runs
+(`cs336_systems.reporting.readme_block`); everything outside its markers is left as it is.
+
+Reads the JSON written by ``pytest perf/ --benchmark-autosave`` (or ``--benchmark-json``): the timed
+benchmarks with their ``extra_info`` (the case and derived rates) plus this project's ``"oom"`` list.
+Later files override earlier ones for the same case, so a sweep run in groups can be merged; the flash
+sweep's tables alone look at every run of a case, so that a cell measured in two runs can show the
+speedup over a baseline that only one of them measured (see `flash_tables`).
+
+The tables come from `reporting.lm`, `reporting.attention` and `reporting.distributed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from cs336_systems.reporting.attention import (
+    attention_sweep_tables,
+    flash_tables,
+    leaderboard_table,
+)
+from cs336_systems.reporting.distributed import (
+    allreduce_tables,
+    bucket_model_sections,
+    data_parallel_memory_tables,
+    data_parallel_summary,
+    data_parallel_tables,
+)
+from cs336_systems.reporting.lm import (
+    checkpointing_tables,
+    comparison_table,
+    end_to_end_tables,
+    peak_memory_tables,
+    warmup_table,
+)
+from cs336_systems.reporting.run_files import RunFileError
+from cs336_systems.reporting.tables import (
+    latest_entries,
+    load_entries,
+    machine_section,
+    relative_link,
+)
+
+
+def plots_section(entries: list[dict], machines: list[dict], plots_dir: str | Path,
+                  link_base: str | Path) -> str:
+    """Draw every plot the entries have data for into ``plots_dir``; Markdown image links relative to
+    ``link_base`` (the directory the report is written to)."""
+    from cs336_systems.reporting import (
+        plots,  # deferred: matplotlib is an optional extra
+    )
+
+    specs = plots.all_plots(entries, machines)
+    if not specs:
+        return ""
+    paths = plots.write_plots(specs, plots_dir)
+    links = [f"![{spec.title}]({relative_link(path, link_base)})" for spec, path in zip(specs, paths)]
+    return "## Plots\n\n" + "\n\n".join(links)
+
+
+def render(paths: list[str | Path], plots_dir: str | Path | None = None,
+           link_base: str | Path | None = None) -> str:
+    """The Markdown report of the runs; with ``plots_dir``, also the PNG plots, linked at the end."""
+    every, machines = load_entries(paths)
+    entries = latest_entries(every)
+    sections = [
+        "# Benchmark report",
+        machine_section(machines),
+        "Times are per step; MFU uses model FLOPs (cs336_systems.bench.flops) over the datasheet dense peak "
+        "(cs336_systems.bench.machine) unless the run passed --peak-tflops."
+        if any(e.get("test") in ("test_end_to_end", "test_warmup_study") for e in entries) else "",
+        end_to_end_tables(entries),
+        comparison_table(entries, "precision", "fp32", "bf16", "fp32 vs bf16 autocast"),
+        comparison_table(entries, "compile", False, True, "eager vs torch.compile"),
+        comparison_table(entries, "attention", "naive", "sdpa", "naive vs SDPA attention"),
+        warmup_table(entries),
+        peak_memory_tables(entries),
+        checkpointing_tables(entries),
+        attention_sweep_tables(entries),
+        flash_tables(every),
+        leaderboard_table(entries),
+        allreduce_tables(entries, machines),
+        data_parallel_summary(entries, machines),
+        data_parallel_tables(entries, machines),
+        data_parallel_memory_tables(entries),
+        bucket_model_sections(entries),
+        plots_section(entries, machines, plots_dir, link_base if link_base is not None else Path.cwd())
+        if plots_dir is not None else "",
+    ]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s RUN.json [RUN.json ...] [-o report.md] [--plots DIR]\n"
+              "       %(prog)s --compare OLD.json NEW.json [-o diff.md] [--threshold PCT] [--any-machine]\n"
+              "       %(prog)s --readme README.md")
+    parser.add_argument("runs", nargs="*", help="saved pytest-benchmark JSON files")
+    parser.add_argument("-o", "--output", help="write Markdown here instead of stdout")
+    parser.add_argument("--plots", metavar="DIR", help="also draw PNG plots into DIR and link them (needs the "
+                                                       "`plot` extra: matplotlib)")
+    parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="compare two saved runs case by case")
+    parser.add_argument("--threshold", type=float, default=10.0,
+                        help="--compare: flag deltas beyond this many percent (default %(default)g)")
+    parser.add_argument("--any-machine", action="store_true",
+                        help="--compare: compare runs from different machines (with a warning)")
+    parser.add_argument("--readme", metavar="README", help="regenerate the Results block of this README from "
+                                                           "the committed runs, and its plots")
+    args = parser.parse_args(argv)
+    modes = [bool(args.runs), args.compare is not None, args.readme is not None]
+    if sum(modes) != 1:
+        parser.error("give either RUN.json files, or --compare OLD NEW, or --readme README")
+    if args.threshold <= 0 or not math.isfinite(args.threshold):
+        parser.error(f"--threshold must be a positive percentage, got {args.threshold:g}")
+    if args.plots is not None and not args.runs:
+        parser.error("--plots goes with RUN.json files")
+    from cs336_systems.reporting.compare import IncomparableRuns, compare_runs
+    from cs336_systems.reporting.plots import (
+        MissingPlotExtra,  # the module itself needs no matplotlib
+    )
+    from cs336_systems.reporting.readme_block import ReadmeMarkersError, update_readme
+
+    try:
+        if args.readme is not None:
+            changed = update_readme(args.readme)
+            print(f"{args.readme}: results block {'updated' if changed else 'already up to date'}")
+            return 0
+        if args.compare is not None:
+            text = compare_runs(*args.compare, threshold=args.threshold, any_machine=args.any_machine)
+        else:
+            base = Path(args.output).parent if args.output else Path.cwd()
+            text = render(args.runs, plots_dir=args.plots, link_base=base)
+    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError,
+            UnicodeDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as err:
+            print(f"error: cannot write {args.output}: {err}", file=sys.stderr)
+            return 2
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

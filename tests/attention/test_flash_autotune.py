@@ -1,0 +1,315 @@
+"""Tile configurations of the Triton FlashAttention kernels: every config is correct, and the choice.
+
+On CPU the kernels run in Triton's interpreter (fp32), so the tiling logic (causal bands, ragged edges,
+BLOCK_M != BLOCK_N, longest-first order) is checked for the tile shapes the tuner may pick, not only
+the interpreter's fixed 32 x 32.  On the GPU, every configuration committed in `TUNED_SM90` is checked.
+"""
+
+import json
+
+import pytest
+import torch
+from attention_reference import reference
+
+from cs336_systems.attention.kernels import flash_autotune
+from cs336_systems.attention.kernels import flash_configs
+from cs336_systems.attention.kernels import flash_launch
+from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, TileConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _grads_with(cfgs: dict[str, TileConfig], q, k, v, causal, longest_first=True):
+    """o, lse, dq, dk, dv from the launchers with explicit configs; q, k, v: (BH, N, d)."""
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
+    flash_launch.forward(q, k, v, o, lse, causal, cfgs["fwd"], longest_first=longest_first)
+    do = torch.randn_like(o, generator=torch.Generator(q.device).manual_seed(3))
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # as the backward runs them: dQ computes delta = rowsum(o * do) for dK/dV
+    flash_launch.dq(q, k, v, do, lse, delta, dq, causal, cfgs["dq"], longest_first=longest_first, o=o)
+    flash_launch.dkdv(q, k, v, do, lse, delta, dk, dv, causal, cfgs["dkdv"])
+    return o, lse, do, (dq, dk, dv)
+
+
+def _check_against_float64(cfgs, bh, nq, nk, d, dtype, causal, longest_first=True, tol=None):
+    g = torch.Generator(DEVICE).manual_seed(nq * 1000 + nk)
+    q, k, v = (torch.randn(bh, n, d, generator=g, device=DEVICE).to(dtype) for n in (nq, nk, nk))
+    o, lse, do, grads = _grads_with(cfgs, q, k, v, causal, longest_first)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_o, ref_lse = reference(q64, k64, v64, causal)
+    ref_grads = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
+    tol = tol or (2e-4 if dtype == torch.float32 else 3e-2)
+    for name, got, ref in [("o", o, ref_o), ("lse", lse, ref_lse)] + list(zip(("dq", "dk", "dv"), grads, ref_grads)):
+        err = (got.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1.0)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol} with {cfgs}, shape {(bh, nq, nk, d)}, causal={causal}"
+
+
+# Tile shapes from the search space (and the asymmetric extremes) on ragged lengths, Nq != Nk included.
+INTERPRETER_CASES = [
+    (TileConfig(16, 64, 4, 1), TileConfig(32, 128, 4, 1), TileConfig(128, 32, 4, 1)),
+    (TileConfig(64, 32, 4, 1), TileConfig(64, 64, 4, 1), TileConfig(64, 128, 4, 1)),
+    (TileConfig(128, 64, 4, 1), TileConfig(16, 64, 4, 1), TileConfig(32, 64, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("tiles", INTERPRETER_CASES, ids=lambda t: "-".join(c.short() for c in t))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("nq, nk", [(200, 200), (77, 150), (150, 77)])
+def test_tile_configs_match_float64(tiles, causal, nq, nk):
+    if DEVICE == "cpu" and not flash_autotune.interpreter_active():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    cfgs = dict(zip(KERNELS, tiles))
+    _check_against_float64(cfgs, 2, nq, nk, 32, torch.float32, causal)
+
+
+def test_natural_order_gives_the_same_result():
+    if DEVICE == "cpu" and not flash_autotune.interpreter_active():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    cfgs = dict(zip(KERNELS, INTERPRETER_CASES[1]))
+    _check_against_float64(cfgs, 1, 130, 130, 16, torch.float32, True, longest_first=False)
+
+
+@pytest.mark.gpu
+def test_gpu_every_committed_config_matches_float64(monkeypatch):
+    """Each TUNED_SM90 entry, at a ragged length near its bucket (capped), its dtype and fp32 arithmetic,
+    causal as keyed."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("TUNED_SM90 applies to sm_90 only")
+    assert flash_configs.TUNED_SM90, "no committed configurations to check"
+    for text, entry in flash_configs.TUNED_SM90.items():
+        key = ShapeKey.parse(text)
+        cfgs = {kernel: TileConfig.parse(c) for kernel, c in entry.items()}
+        n = min(key.n_bucket, 2048) - 37
+        monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee" if key.dtype == "fp32ieee" else "tf32x3")
+        dtype = torch.bfloat16 if key.dtype == "half" else torch.float32
+        _check_against_float64(cfgs, 2, n, n, key.head_dim, dtype, key.causal)
+
+
+def test_tile_config_text_round_trip_and_validation():
+    cfg = TileConfig(128, 32, 8, 3)
+    assert TileConfig.parse(cfg.short()) == cfg
+    tma = TileConfig(64, 128, 4, 3, tma=True)
+    assert tma.tma == 1 and tma.short() == "64x128w4s3t" and TileConfig.parse("64x128w4s3t") == tma
+    band = TileConfig(64, 128, 4, 3, tma=2)
+    assert band.short() == "64x128w4s3b" and TileConfig.parse("64x128w4s3b") == band != tma
+    with pytest.raises(ValueError, match="TileConfig.tma must be 0, 1 or 2; got 3"):
+        TileConfig(64, 64, 4, 2, tma=3)
+    assert "tma" not in tma.launch_kwargs()  # the launchers turn it into descriptors, not a kernel argument
+    with pytest.raises(ValueError, match=r"block_m must be a power of two >= 16 \(tl.dot.s minimum\); got 48"):
+        TileConfig(48, 64, 4, 2)
+    with pytest.raises(ValueError, match="num_warps .* got 3"):
+        TileConfig(64, 64, 3, 2)
+    with pytest.raises(ValueError, match="'64x64' is not of the form"):
+        TileConfig.parse("64x64")
+
+
+def test_shape_key_buckets():
+    key = ShapeKey.of(bh=16, n_queries=16384, n_keys=16384, head_dim=64, dtype=torch.bfloat16, causal=True)
+    assert key == ShapeKey(64, "half", True, 16384, 16)
+    assert ShapeKey.of(1, 1000, 3000, 128, torch.float16, False) == ShapeKey(128, "half", False, 4096, 1)
+    assert ShapeKey.of(5, 10, 10, 16, torch.float32, True) == ShapeKey(16, "fp32x3", True, 128, 16)
+    assert ShapeKey.of(1000, 10**6, 10, 32, torch.float32, True).n_bucket == 65536
+    assert ShapeKey.of(1000, 10, 10, 32, torch.float32, True).bh_bucket == 64
+    assert ShapeKey.parse(key.text()) == key
+    ieee = ShapeKey(16, "fp32ieee", True, 128, 16)
+    assert ShapeKey.parse(ieee.text()) == ieee and ieee.text() == "d16-fp32ieee-causal-n128-bh16"
+    with pytest.raises(ValueError, match="shape key 'd64-half' is not of the form"):
+        ShapeKey.parse("d64-half")
+    with pytest.raises(ValueError, match="got dtype torch.int32"):
+        ShapeKey.of(1, 8, 8, 16, torch.int32, True)
+
+
+@pytest.mark.parametrize("dtype, fp32_dot", [(torch.bfloat16, ""), (torch.float32, "tf32x3"), (torch.float32, "ieee")])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("n", [128, 1024, 65536])
+def test_candidates_are_pruned_but_never_empty(dtype, fp32_dot, d, n, monkeypatch):
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, fp32_dot)
+    key = ShapeKey.of(1, n, n, d, dtype, True)
+    assert key.dtype == {"": "half", "tf32x3": "fp32x3", "ieee": "fp32ieee"}[fp32_dot]
+    element = 4 if dtype == torch.float32 else 2
+    for kernel in KERNELS:
+        cands = flash_configs.candidates(kernel, key)
+        assert cands, f"no candidates for {kernel} at {key.text()}"
+        assert len(cands) <= 10  # tuning one shape must stay well under a minute
+        for cfg in cands:
+            assert max(cfg.block_m, cfg.block_n) <= max(n, 64)
+            assert flash_configs._shared_bytes(kernel, cfg.block_m, cfg.block_n, d, element, cfg.num_stages) <= 200 * 1024
+        assert set(cands) <= set(flash_configs.SEARCH_SPACE[(kernel, key.dtype)])
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flash_configs.candidates("bwd", key)
+
+
+def test_fp32_arithmetic_is_tf32x3_unless_ieee_is_asked_for(monkeypatch):
+    monkeypatch.delenv(flash_configs.FP32_DOT_ENV, raising=False)
+    assert flash_configs.fp32_dot() == "tf32x3" and flash_launch.precision(torch.float32) == "tf32x3"
+    assert flash_configs.dtype_class(torch.float32) == "fp32x3"
+    assert flash_launch.precision(torch.bfloat16) == "tf32"  # ignored by tl.dot for 16-bit operands
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee")
+    assert flash_launch.precision(torch.float32) == "ieee" and flash_configs.dtype_class(torch.float32) == "fp32ieee"
+    assert flash_configs.dtype_class(torch.bfloat16) == "half"
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "tf32")  # plain TF32 would lose fp32 accuracy: refused
+    with pytest.raises(ValueError, match=r"CS336_FLASH_FP32_DOT must be one of \('tf32x3', 'ieee'\), got 'tf32'"):
+        flash_launch.precision(torch.float32)
+
+
+@pytest.mark.parametrize("dtype_class", flash_configs.DTYPE_CLASSES)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_default_configs_fit_sm80_shared_memory(dtype_class, d):
+    element = 2 if dtype_class == "half" else 4
+    for n in (128, 4096, 65536):
+        for kernel, cfg in flash_configs.default_config(ShapeKey(d, dtype_class, True, n, 1)).items():
+            assert flash_configs._shared_bytes(kernel, cfg.block_m, cfg.block_n, d, element, cfg.num_stages) <= 160 * 1024
+
+
+def test_nearest_tuned_prefers_sequence_length_then_parallelism():
+    def entry(tag):
+        return {kernel: TileConfig(tag, 64, 4, 2) for kernel in KERNELS}
+
+    table = {
+        ShapeKey(64, "half", True, 16384, 16): entry(128),
+        ShapeKey(64, "half", True, 4096, 1): entry(64),
+        ShapeKey(64, "half", True, 1024, 16): entry(32),
+        ShapeKey(128, "half", True, 65536, 1): entry(16),
+    }
+    assert flash_configs.nearest_tuned(ShapeKey(64, "half", True, 8192, 16), table) is not None
+    assert flash_configs.nearest_tuned(ShapeKey(64, "half", True, 16384, 1), table)["fwd"].block_m == 128
+    assert flash_configs.nearest_tuned(ShapeKey(64, "half", True, 4096, 4), table)["fwd"].block_m == 64
+    assert flash_configs.nearest_tuned(ShapeKey(64, "half", True, 512, 1), table)["fwd"].block_m == 32
+    assert flash_configs.nearest_tuned(ShapeKey(128, "half", True, 128, 64), table)["fwd"].block_m == 16
+    assert flash_configs.nearest_tuned(ShapeKey(32, "half", True, 4096, 1), table) is None
+    assert flash_configs.nearest_tuned(ShapeKey(64, "fp32x3", True, 4096, 1), table) is None
+
+
+def test_committed_table_parses_and_covers_the_sweep():
+    table = flash_configs._tuned_sm90()
+    for key, cfgs in table.items():
+        assert set(cfgs) == set(KERNELS), key
+        for kernel, cfg in cfgs.items():
+            assert cfg in flash_configs.SEARCH_SPACE[(kernel, key.dtype)] or cfg in flash_configs.default_config(key).values()
+    for d in (64, 128):
+        if table:
+            assert flash_configs.nearest_tuned(ShapeKey(d, "half", True, 16384, 1), table) is not None
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    path = tmp_path / "flash-autotune.json"
+    monkeypatch.setenv(flash_autotune.CACHE_ENV, str(path))
+    flash_autotune.clear_memo()
+    yield path
+    flash_autotune.clear_memo()
+
+
+def test_select_order_cache_then_table_then_default(tmp_cache, monkeypatch):
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    cpu = torch.device("cpu")
+    key = ShapeKey.of(2, 300, 300, 64, torch.float16, True)
+    # No cache, no table for CPU: the default heuristic.
+    assert flash_autotune.select(2, 300, 300, 64, torch.float16, True, cpu) == flash_configs.default_config(key)
+    # A cache entry for this device wins, once the memo is cleared.
+    entry = {"fwd": "64x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): {key.text(): entry}}))
+    assert flash_autotune.select(2, 300, 300, 64, torch.float16, True, cpu)["fwd"] == flash_configs.default_config(key)["fwd"]
+    flash_autotune.clear_memo()
+    chosen = flash_autotune.select(2, 300, 300, 64, torch.float16, True, cpu)
+    assert {k: c.short() for k, c in chosen.items()} == entry
+    # An incomplete entry is ignored.
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): {key.text(): {"fwd": "64x32w4s4"}}}))
+    flash_autotune.clear_memo()
+    assert flash_autotune.select(2, 300, 300, 64, torch.float16, True, cpu) == flash_configs.default_config(key)
+
+
+def test_float32_never_reads_cache_entries_tuned_for_the_other_arithmetic(tmp_cache, monkeypatch):
+    """An IEEE-tuned tile can run out of shared memory with tf32x3 dots: the caches stay apart, and entries
+    from before the split (class "fp32", tuned with IEEE dots) are not read at all."""
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    monkeypatch.delenv(flash_configs.FP32_DOT_ENV, raising=False)
+    cpu = torch.device("cpu")
+    entry = {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s2"}
+    stale = {f"d128-{cls}-causal-n1024-bh1": entry for cls in ("fp32", "fp32ieee")}
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): stale}))
+    key = ShapeKey.of(1, 1000, 1000, 128, torch.float32, True)
+    assert key.dtype == "fp32x3"
+    assert flash_autotune.select(1, 1000, 1000, 128, torch.float32, True, cpu) == flash_configs.default_config(key)
+    monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "ieee")  # the fp32ieee entry is for this arithmetic
+    chosen = flash_autotune.select(1, 1000, 1000, 128, torch.float32, True, cpu)
+    assert {k: c.short() for k, c in chosen.items()} == entry
+
+
+def test_unreadable_cache_is_reported_and_ignored(tmp_cache, monkeypatch, capsys):
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    tmp_cache.write_text("{not json")
+    key = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    assert flash_autotune.select(1, 64, 64, 16, torch.float32, False, torch.device("cpu")) == flash_configs.default_config(key)
+    assert "ignoring unreadable cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "ignoring unreadable cache"),  # valid JSON, wrong structure
+    ('{"DEVICE": "oops"}', "ignoring unreadable cache"),
+    ('{"DEVICE": {"KEY": {"fwd": "64x32", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+    ('{"DEVICE": {"KEY": {"fwd": "48x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+    ('{"DEVICE": {"KEY": {"fwd": 7, "dkdv": "16x64w4s4", "dq": "32x64w4s3"}}}', "ignoring cache entry"),
+])
+def test_malformed_cache_falls_back_instead_of_failing_the_call(tmp_cache, monkeypatch, capsys, content, message):
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    cpu = torch.device("cpu")
+    key = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    tmp_cache.write_text(content.replace("DEVICE", flash_autotune.device_id(cpu)).replace("KEY", key.text()))
+    assert flash_autotune.select(1, 64, 64, 16, torch.float32, False, cpu) == flash_configs.default_config(key)
+    assert message in capsys.readouterr().err
+
+
+def test_storing_keeps_entries_another_process_saved_meanwhile(tmp_cache):
+    cpu = torch.device("cpu")
+    mine, theirs = ShapeKey.of(1, 64, 64, 16, torch.float32, False), ShapeKey.of(1, 4096, 4096, 64, torch.float16, True)
+    assert flash_autotune.cached(mine, cpu) is None  # this process has loaded the (empty) cache
+    entry = {"fwd": "64x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}
+    tmp_cache.write_text(json.dumps({flash_autotune.device_id(cpu): {theirs.text(): entry}}))  # another tuner
+    flash_autotune._store_cache(cpu, mine, {k: TileConfig.parse(c) for k, c in entry.items()})
+    saved = json.loads(tmp_cache.read_text())[flash_autotune.device_id(cpu)]
+    assert set(saved) == {mine.text(), theirs.text()}
+    assert flash_autotune.cached(theirs, cpu) is not None  # the memo follows the merged file
+
+
+def test_tune_picks_the_fastest_correct_candidate_and_caches_it(tmp_cache):
+    if not flash_autotune.interpreter_active():
+        pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")
+    timed = []
+
+    def fake_bench(fn):
+        # Later candidates are "faster": the tuner must pick each kernel's last correct candidate.
+        timed.append(fn)
+        return 10.0 - 0.1 * len(timed)
+
+    result = flash_autotune.tune(1, 70, 70, 16, torch.float32, True, "cpu", bench=fake_bench)
+    key = ShapeKey.of(1, 70, 70, 16, torch.float32, True)
+    for kernel in KERNELS:
+        cands = flash_configs.candidates(kernel, key)
+        assert result.chosen[kernel] == cands[-1]
+        assert all(isinstance(t, float) for t in result.timings_ms[kernel].values()), result.timings_ms[kernel]
+        assert len(result.timings_ms[kernel]) == len(cands)
+    saved = json.loads(tmp_cache.read_text())
+    assert saved[flash_autotune.device_id(torch.device("cpu"))][key.text()] == {
+        kernel: cfg.short() for kernel, cfg in result.chosen.items()
+    }
+    assert flash_autotune.cached(key, torch.device("cpu")) == result.chosen
+
+
+def test_close_rejects_wrong_or_nonfinite_outputs():
+    ref = torch.randn(4, 8)
+    assert flash_autotune._close(ref + 1e-6, ref)
+    assert not flash_autotune._close(ref + 0.1, ref)
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    assert not flash_autotune._close(bad, ref)
+    assert flash_autotune._close(ref.bfloat16(), ref)
+
+
+@pytest.mark.parametrize("shape", ["16,16384", "0,128,64", "1,-5,64", "1,128,48", "a,b,c"])
+def test_cli_rejects_bad_shapes_before_anything_runs(shape, capsys):
+    with pytest.raises(SystemExit) as exc:
+        flash_autotune.main(["--shape", shape])
+    assert exc.value.code == 2 and "--shape" in capsys.readouterr().err

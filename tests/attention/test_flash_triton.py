@@ -1,0 +1,397 @@
+"""FlashAttention-2 in Triton: properties against float64, compile-friendliness, memory, bad inputs.
+
+On CPU the kernels run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there
+is no GPU): fp32 and fp16 only, because the interpreter's bf16 tl.dot is wrong.  GPU-marked tests run
+bf16/fp16/fp32 at larger sizes and torch.compile(fullgraph=True).
+"""
+
+import pytest
+import torch
+from attention_reference import assert_flash_accuracy, random_qkv, reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cs336_systems import attention
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import FlashAttentionTriton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _apply(q, k, v, causal):
+    return FlashAttentionTriton.apply(q, k, v, causal)
+
+
+# The interpreter runs every program in Python: keep B*H small so the whole file stays ~1 minute.
+@settings(max_examples=20, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2,), (1, 2), (2, 1, 1)]),
+    nq=st.integers(1, 150),
+    nk=st.integers(1, 150),
+    d=st.sampled_from([16, 32, 64]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
+    q, k, v = random_qkv(lead, nq, nk, d, dtype, DEVICE, seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_head_dim_128(is_causal):
+    q, k, v = random_qkv((2,), 97, 65, 128, torch.float32, DEVICE, seed=128)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+def test_registry_entry_and_non_contiguous_inputs():
+    assert attention.get("flash-triton").available(torch.device(DEVICE))
+    base = torch.randn(2, 40, 3, 32, device=DEVICE)  # (B, N, H, d) -> transposed view (B, H, N, d)
+    q = base.transpose(1, 2)
+    out = attention.attention(q, q, q, is_causal=True, impl="flash-triton")
+    torch.testing.assert_close(out, attention.attention(q, q, q, is_causal=True, impl="naive"), rtol=1e-4, atol=1e-4)
+
+
+def test_double_backward_raises_instead_of_returning_zero_second_derivatives():
+    q, k, v = (torch.randn(1, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    # a plain backward (no graph of the gradients) still works after that
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    assert dq.shape == q.shape and not dq.requires_grad
+
+
+@pytest.mark.parametrize(
+    "shapes_dtypes, match",
+    [
+        (((1, 8, 32), (1, 8, 16), (1, 8, 16), torch.float32), r"head dim d must match"),
+        (((2, 8, 32), (3, 8, 32), (3, 8, 32), torch.float32), r"leading \(batch/head\) dims must match"),
+        (((1, 8, 32), (1, 8, 32), (1, 9, 32), torch.float32), r"k and v must have the same length"),
+        (((1, 8, 24), (1, 8, 24), (1, 8, 24), torch.float32), r"supports head dims .* got d=24"),
+        (((1, 8, 32), (1, 8, 32), (1, 8, 32), torch.float64), r"supports float32, bfloat16, float16; got dtype torch.float64"),
+    ],
+)
+def test_bad_inputs_raise_value_error(shapes_dtypes, match):
+    *shapes, dtype = shapes_dtypes
+    q, k, v = (torch.randn(s, device=DEVICE, dtype=dtype) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionTriton.apply(q, k, v, False)
+
+
+def test_integer_and_mixed_device_inputs_raise():
+    x = torch.randn(1, 8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="q must be a floating-point tensor, got dtype torch.int64"):
+        FlashAttentionTriton.apply(torch.ones(1, 8, 32, dtype=torch.long, device=DEVICE), x, x, False)
+    with pytest.raises(ValueError, match="q, k, v must be on one device"):
+        FlashAttentionTriton.apply(x, x.to("meta"), x, False)
+
+
+def test_cpu_without_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match="flash-triton needs CUDA tensors .* TRITON_INTERPRET=1"):
+        FlashAttentionTriton.apply(x, x, x, False)
+    assert not flash_triton.available(torch.device("cpu"))
+
+
+# --- GPU only --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+# Each new (d, dtype, causal, shape-divisibility) combination compiles four kernels (~1 s each on the
+# first run): 15 examples keep the first run within a couple of minutes.
+@settings(max_examples=15, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2, 3), (1, 16)]),
+    nq=st.sampled_from([1, 17, 128, 257, 1000, 4096]),
+    nk=st.sampled_from([1, 63, 128, 511, 1025, 4096]),
+    d=st.sampled_from([16, 32, 64, 128]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
+    q, k, v = random_qkv(lead, nq, nk, d, dtype, "cuda", seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp32_dot", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_float32_arithmetic_matches_float64_reference(fp32_dot, d, monkeypatch):
+    """Both fp32 dot modes within the accuracy bound (2x naive fp32's error + 1e-5 x max), at the head dims
+    where they differ most (tf32x3 drops a ~2^-22 relative term per product, summed over d)."""
+    monkeypatch.setenv("CS336_FLASH_FP32_DOT", fp32_dot)
+    for lead, nq, nk, causal in (((1, 4), 1000, 1000, True), ((2,), 257, 1025, False)):
+        q, k, v = random_qkv(lead, nq, nk, d, torch.float32, "cuda", seed=nq + d)
+        assert_flash_accuracy(_apply, q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_compiles_fullgraph_forward_and_backward(is_causal):
+    torch._dynamo.reset()
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    q, k, v = random_qkv((2, 4), 300, 300, 64, torch.bfloat16, "cuda", seed=7)
+    out = compiled(q, k, v, is_causal)
+    out.backward(torch.ones_like(out))
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = FlashAttentionTriton.apply(*eager, is_causal)
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(out, ref)
+    for a, b in zip((q, k, v), eager):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_grows_linearly_in_n():
+    """Extra memory of forward+backward is a few (B, H, N, d) tensors (O, dO, dQ, dK, dV) plus O(N) rows.
+
+    Measured on the H100: 4.2x, 5.3x, 5.3x the bytes of q for N = 4k, 8k, 16k (the allocator's rounding
+    makes the small case look cheaper).  A materialised score matrix would add 4·H·N² bytes: 128x q's
+    bytes at N = 4k, so both bounds below fail for anything quadratic.
+    """
+    peaks, q_bytes = {}, {}
+    for n in (4096, 8192, 16384):
+        torch.cuda.empty_cache()
+        q, k, v = random_qkv((1, 8), n, n, 64, torch.bfloat16, "cuda", seed=n)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peaks[n] = torch.cuda.max_memory_allocated() - base
+        q_bytes[n] = q.numel() * q.element_size()
+        del q, k, v, out
+    assert all(peaks[n] <= 8 * q_bytes[n] for n in peaks), (peaks, q_bytes)
+    # 4x the length: linear growth is ~4x (allow the allocator's slack), quadratic would be ~16x
+    assert peaks[16384] <= 5.5 * peaks[4096], peaks
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bh=st.sampled_from([1, 2]),
+    nq=st.integers(1, 150),
+    nk=st.integers(1, 150),
+    d=st.sampled_from([16, 32]),
+    is_causal=st.booleans(),
+    splits=st.sampled_from([2, 3, 5]),
+    tiles=st.sampled_from([(32, 32), (64, 16), (16, 32)]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_key_split_forward_matches_float64_reference(bh, nq, nk, d, is_causal, splits, tiles, dtype, seed):
+    """The split forward (chunks of keys per query tile, then a combine kernel): o and L against float64,
+    including chunks that hold only keys above some rows' diagonal (BLOCK_M > BLOCK_N) and chunks with no
+    keys at all."""
+    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.flash_configs import TileConfig
+
+    q, k, v = (t.detach() for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
+    cfg = TileConfig(*tiles, 4, 1)
+    o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
+    flash_launch.forward(q, k, v, o, lse, is_causal, cfg, splits=splits)
+    ref_o, ref_lse = reference(q, k, v, is_causal)
+    scale = ref_o.abs().max().item()
+    tol = {torch.float32: 2e-5, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(o.double(), ref_o, rtol=0, atol=tol * max(scale, 1.0))
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_split_forward_through_autograd_matches_float64_reference(monkeypatch, is_causal):
+    """The whole Function (forward split, backward from the combined L) when the split is forced."""
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "3")
+    q, k, v = random_qkv((1, 2), 90, 77, 32, torch.float32, DEVICE, seed=11)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(monkeypatch):
+    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.flash_configs import TileConfig
+
+    cfg = TileConfig(64, 64, 4, 3)
+    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
+
+    class FakeCuda:
+        def __init__(self, bh, n):
+            self.shape, self.device = (bh, n, 64), torch.device("cuda", 0)
+
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 4  # 32 tiles: 4 chunks of 8 key tiles
+    assert flash_launch.key_splits(FakeCuda(1, 1024), 1024, cfg) == 8  # 16 tiles, 16 key tiles: 8 x 2
+    assert flash_launch.key_splits(FakeCuda(1, 256), 256, cfg) == 2  # 4 key tiles: chunks of >= 2
+    assert flash_launch.key_splits(FakeCuda(1, 8192), 8192, cfg) == 1  # 128 tiles ~ one per SM
+    assert flash_launch.key_splits(FakeCuda(16, 16384), 16384, cfg) == 1  # the leaderboard shape
+    assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 1  # CPU / interpreter
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "1")
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 1
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "3")
+    assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 3
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "zero")
+    with pytest.raises(ValueError, match="CS336_FLASH_SPLITS must be a positive integer, got 'zero'"):
+        flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg)
+    monkeypatch.delenv("CS336_FLASH_SPLITS")
+    with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
+        q = torch.empty(1, 4, 16)
+        flash_launch.forward(q, q, q, q, torch.empty(1, 4), True, cfg, splits=0)
+
+
+@pytest.mark.gpu
+def test_gpu_forward_backward_replays_in_a_cuda_graph():
+    """The graph-timed sweep (benchmarking timing="graph") replays a captured forward+backward: the replay
+    must recompute from the inputs' current values, as the eager call does."""
+    from cs336_systems.bench.harness import capture_cuda_graph
+
+    q, k, v = random_qkv((1,), 1024, 1024, 64, torch.bfloat16, "cuda", seed=3)
+    grad_out = torch.randn_like(q)
+    results = {}
+
+    def step():
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        results["out"] = out
+        results["grads"] = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    replay = capture_cuda_graph(step, "cuda")
+    with torch.no_grad():  # new inputs in place: a replay must see them
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+    replay()
+    torch.cuda.synchronize()
+    eager = FlashAttentionTriton.apply(q, k, v, True)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), grad_out)
+    torch.testing.assert_close(results["out"], eager, rtol=0, atol=0)
+    for a, b in zip(results["grads"], eager_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_registered_ops_match_the_eager_fast_path():
+    """Eager calls launch the kernels directly; torch.compile goes through the registered ops: same results."""
+    q, k, v = (t.detach().reshape(2, -1, 32) for t in random_qkv((2,), 70, 70, 32, torch.float32, DEVICE, seed=5))
+    o, lse = torch.ops.cs336.flash_attn_fwd(q, k, v, True)
+    o_fast, lse_fast = flash_triton._forward(q, k, v, True)
+    torch.testing.assert_close(o, o_fast, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_fast, rtol=0, atol=0)
+    do = torch.randn_like(o)
+    for a, b in zip(torch.ops.cs336.flash_attn_bwd(q, k, v, o, lse, do, True),
+                    flash_triton._backward(q, k, v, o, lse, do, True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert flash_triton._eager(q)
+    assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path
+
+
+def test_backward_is_two_launches_dq_first():
+    """The preprocess D = rowsum(O * dO) runs in the dQ kernel's prologue: the backward launches the dQ
+    kernel and then the dK/dV kernel, which reads the D that dQ stored (each launch is host time that small
+    problems pay in full)."""
+    from cs336_systems.attention.kernels import flash_kernels as triton_kernels
+
+    launched = []
+
+    def counting(kernel):
+        launched.append(kernel)
+        return kernel
+
+    q, k, v = random_qkv((1,), 40, 40, 16, torch.float32, DEVICE, 0)
+    q3, k3, v3 = (t.detach().reshape(-1, 40, 16) for t in (q, k, v))
+    o, lse = flash_triton._forward(q3, k3, v3, True)
+    do = torch.randn_like(o)
+    flash_triton._backward(q3, k3, v3, o, lse, do, True, wrap=counting)
+    assert launched == [triton_kernels.flash_bwd_dq_kernel, triton_kernels.flash_bwd_dkdv_kernel]
+
+
+class _RecordingWrap:
+    """`wrap` for the launchers: launches the kernel and records the TMA flag it was launched with."""
+
+    def __init__(self):
+        self.tma = []
+
+    def __call__(self, kernel):
+        record = self.tma
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    record.append(kwargs.get("TMA"))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Launcher()
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    bh=st.sampled_from([1, 3]),
+    nq=st.integers(1, 170),
+    nk=st.one_of(st.integers(1, 170), st.sampled_from([32, 64, 96, 160])),  # multiples of the tile: band mode
+    d=st.sampled_from([16, 32]),
+    is_causal=st.booleans(),
+    splits=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, splits, dtype, seed):
+    """The forward (plain and key-split) and dQ kernels with K and V streamed through tensor descriptors
+    give exactly what the pointer loads give: same tiles, same order, only the load path differs.  Several
+    slices check each slice's descriptor row offset; ragged N checks that the masked tiles (pointer loads)
+    and the unmasked ones (descriptors) split the key range right; N a multiple of the tile checks the
+    band mode (TMA=2: the masked diagonal tiles through the descriptors as well)."""
+    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.flash_configs import TileConfig
+
+    q, k, v = (t.detach().reshape(bh, -1, d) for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
+    do = torch.randn_like(q)
+    cfg = TileConfig(32, 32, 4, 1)
+    results = {}
+    for variant, tma, mode in (("pointers", 0, 0), ("unmasked", 1, 1), ("band", 2, 2 if nk % 32 == 0 else 1)):
+        wrap = _RecordingWrap()
+        o, lse = torch.empty_like(q), torch.empty(bh, nq, device=DEVICE, dtype=torch.float32)
+        flash_launch.forward(q, k, v, o, lse, is_causal, cfg, wrap, splits=splits, tma=tma)
+        delta, dq = torch.empty_like(lse), torch.empty_like(q)
+        flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg, wrap, o=o, tma=tma)
+        assert [flag for flag in wrap.tma if flag is not None] == [mode, mode], (variant, wrap.tma)
+        results[variant] = (o, lse, delta, dq)
+    for variant in ("unmasked", "band"):
+        for a, b in zip(results["pointers"], results[variant]):
+            # default tolerances: a few ulps (the interpreter's numpy matmul sums a transposed operand in another order)
+            torch.testing.assert_close(a, b)
+
+
+def test_tma_is_used_only_where_descriptors_fit(monkeypatch):
+    from cs336_systems.attention.kernels import flash_launch
+
+    t = torch.randn(2, 64, 32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert flash_launch.use_tma(t)  # the interpreter runs the descriptor path, so the CPU tests cover it
+    assert not flash_launch.use_tma(t.transpose(0, 1).contiguous().transpose(0, 1))  # rows not (BH * N, d)
+    assert not flash_launch.use_tma(torch.randn(2, 64, 33)[..., :32])  # row stride 33: not contiguous
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")
+    assert not flash_launch.use_tma(t)
+    monkeypatch.setenv("CS336_FLASH_TMA", "yes")
+    with pytest.raises(ValueError, match="CS336_FLASH_TMA must be 0 or 1, got 'yes'"):
+        flash_launch.use_tma(t)
+    monkeypatch.delenv("CS336_FLASH_TMA")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not flash_launch.use_tma(t)  # a CPU tensor outside the interpreter never reaches a kernel
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_compiled_fullgraph_traces_the_registered_ops(is_causal):
+    """torch.compile(fullgraph=True) through the custom ops' fake implementations (AOTAutograd traces the
+    forward and backward graphs on fake tensors), then runs the real ops: the same results as eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True, backend="aot_eager")
+    q, k, v = random_qkv((1, 2), 70, 70, 32, torch.float32, DEVICE, seed=9)
+    out = compiled(q, k, v, is_causal)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = FlashAttentionTriton.apply(q, k, v, is_causal)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=0, atol=0)

@@ -1,0 +1,74 @@
+"""The Triton kernels compile for Hopper (sm_90) with no GPU present, with no float64 arithmetic.
+
+Under torch.compile, inductor passed Python float arguments (the softmax scales) as fp64 scalars: first
+the loop-carried accumulators silently became fp64 (a compile error on the H100), then, with a cast
+after the multiply, every score tile was multiplied in fp64 (compiled forward+backward 1.6x slower
+than eager, and results differing from eager by an ulp).  The scales are now constexprs; this test
+compiles the kernels ahead of time and asserts the IR contains no f64 at all, so neither regression
+can come back unnoticed.  The compile runs in a child process with TRITON_INTERPRET=0 (this session's
+kernels are interpreted).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cs336_systems.attention.kernels import flash_kernels as kernels
+
+causal = sys.argv[1] == "causal"
+tma = sys.argv[2] != "pointers"
+mode = {"pointers": 0, "tma": 1, "tma-band": 2}[sys.argv[2]]
+consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
+          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4, "TMA": mode}
+descs = ["K_DESC", "V_DESC"]
+if not tma:
+    consts.update({name: None for name in descs})
+strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
+bf16 = "*bf16"
+
+def compile_(fn, pointers, ints, scales):
+    names = set(fn.arg_names)
+    const = {n: c for n, c in consts.items() if n in names}
+    sig = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
+    if tma:
+        sig.update({n: "tensordesc<bf16[64, 64]>" for n in descs if n in names})
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+    for stage in ("ttir", "ttgir"):
+        if "f64" in compiled.asm[stage]:
+            sys.exit(f"{fn.__name__}: float64 arithmetic in the {stage}")
+
+compile_(kernels.flash_fwd_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "L": "*fp32"},
+         strides + ["stride_ob", "stride_on", "n_queries", "n_keys"], ["qk_scale"])
+compile_(kernels.flash_bwd_dkdv_kernel,
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
+                    "n_queries", "n_keys"], ["sm_scale", "qk_scale"])
+compile_(kernels.flash_bwd_dq_kernel,
+         {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
+         strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",
+                    "n_keys"],
+         ["sm_scale", "qk_scale"])
+compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
+         strides + ["n_queries", "n_keys"], ["qk_scale"])
+compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
+         ["stride_ob", "stride_on", "n_queries"], [])
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("loads", ["pointers", "tma", "tma-band"])  # descriptors: unmasked tiles / every tile
+@pytest.mark.parametrize("causal", ["causal", "full"])
+def test_kernels_compile_for_sm90_without_float64(causal, loads):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

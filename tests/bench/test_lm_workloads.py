@@ -1,0 +1,67 @@
+"""LM workloads: each mode does what it says, on CPU."""
+
+import pytest
+import torch
+
+from cs336_systems import amp
+from cs336_systems.bench.workloads import lm as workloads
+
+
+def _params(step):
+    return step.model, [p.detach().clone() for p in step.model.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_step_updates_every_parameter(precision):
+    step = workloads.lm_step(size="tiny", context=16, batch_size=2, mode="train-step", precision=precision)
+    model, before = _params(step)
+    step()
+    after = list(model.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))
+    assert all(p.dtype == torch.float32 for p in after)  # master weights stay fp32 under autocast
+
+
+def test_forward_changes_nothing_and_keeps_no_graph():
+    step = workloads.lm_step(size="tiny", context=16, batch_size=2, mode="forward")
+    model, before = _params(step)
+    step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_forward_backward_fills_grads_without_updating():
+    step = workloads.lm_step(size="tiny", context=16, batch_size=2, mode="forward-backward")
+    model, before = _params(step)
+    step()
+    step()  # grads are reset each step, not accumulated
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_unknown_mode_and_precision():
+    with pytest.raises(ValueError, match="unknown mode 'inference'"):
+        workloads.lm_step(size="tiny", context=16, batch_size=1, mode="inference")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        workloads.lm_step(size="tiny", context=16, batch_size=1, mode="forward", precision="fp8")
+
+
+def test_precision_modes():
+    assert amp.grad_scaler("fp16", "cpu") is not None
+    assert amp.grad_scaler("bf16", "cpu") is None
+    with amp.autocast("bf16", "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with amp.autocast("fp32", "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_compiled_forward_matches_eager():
+    torch.manual_seed(0)
+    from cs336_systems import model as lm_model
+
+    eager = lm_model.build("tiny", context_length=16)
+    compiled = lm_model.build("tiny", context_length=16)
+    compiled.load_state_dict(eager.state_dict())
+    workloads.compile_blocks(compiled)
+    tokens = torch.randint(0, 10_000, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,325 @@
+"""benchmarks.json: the repository's matrix validates; malformed matrices fail naming the problem."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cs336_systems.bench import matrix
+from cs336_systems.bench.matrix import MatrixError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def data():
+    return json.loads((ROOT / "benchmarks.json").read_text())
+
+
+def test_repository_matrix_is_valid(data):
+    m = matrix.parse(data)
+    for suite in m.suites:
+        assert m.cases(suite, "cpu"), f"{suite} has no cpu cases: CI would measure nothing"
+
+
+def test_gpu_profile_covers_the_handout_sweep(data):
+    cases = matrix.parse(data).cases("end_to_end", "gpu")
+    eager = {
+        (c["size"], c["context"], c["mode"], c["precision"])
+        for c in cases
+        if not c["compile"] and c["batch_size"] == 4 and c["warmup"] == 5 and c["rounds"] == 10
+    }
+    for size in ("small", "medium", "large", "xl", "2.7B"):
+        for context in (128, 256, 512, 1024):
+            for mode in ("forward", "forward-backward", "train-step"):
+                for precision in ("fp32", "bf16"):
+                    assert (size, context, mode, precision) in eager
+    assert any(c["compile"] and c["size"] == "2.7B" and c["mode"] == "train-step" for c in cases)
+
+
+def test_cpu_profile_is_small(data):
+    cases = matrix.parse(data).cases("end_to_end", "cpu")
+    assert {c["size"] for c in cases} == {"tiny"}
+
+
+def test_cases_are_the_product_without_duplicates():
+    grid = {"sizes": ["tiny", "small"], "contexts": [8, 16], "batch_sizes": [1], "modes": ["forward"],
+            "precisions": ["fp32"], "compile": [False], "warmup": 1, "rounds": 2}
+    data = {"suites": {"end_to_end": {"profiles": {"cpu": [grid, copy.deepcopy(grid)]}}}}
+    cases = matrix.parse(data).cases("end_to_end", "cpu")
+    assert len(cases) == 4
+    assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
+                        "compile": False, "attention": "sdpa", "warmup": 1, "rounds": 2, "group": "default"}
+    assert matrix.parse(data).cases("end_to_end", "gpu") == []
+
+
+def test_a_case_shared_by_two_groups_runs_when_either_group_is_selected():
+    base = {"sizes": ["tiny"], "contexts": [8], "batch_sizes": [1], "modes": ["forward"], "precisions": ["fp32"],
+            "compile": [False], "warmup": 1, "rounds": 2}
+    first = {**base, "contexts": [8, 16], "group": "sweep"}
+    second = {**base, "group": "baseline"}  # repeats the sweep's context-8 case as its own same-run baseline
+    m = matrix.parse({"suites": {"end_to_end": {"profiles": {"cpu": [first, second]}}}})
+    assert [(c["context"], c["group"]) for c in m.cases("end_to_end", "cpu")] == [(8, "sweep"), (16, "sweep")]
+    assert [(c["context"], c["group"]) for c in m.cases("end_to_end", "cpu", {"baseline"})] == [(8, "baseline")]
+    assert len(m.cases("end_to_end", "cpu", {"sweep", "baseline"})) == 2
+    assert m.cases("end_to_end", "cpu", {"nope"}) == []
+
+
+def _grid(data):
+    return data["suites"]["end_to_end"]["profiles"]["gpu"][1]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _grid(d).update(sizez=["small"]), r"profiles\.gpu\[1\]: unknown key 'sizez'"),
+        (lambda d: _grid(d).update(sizes=["huge"]), r"gpu\[1\]\.sizes\[0\]: unknown value 'huge'; valid: tiny"),
+        (lambda d: _grid(d).update(contexts=[128, 0]), r"gpu\[1\]\.contexts\[1\]: expected a positive integer, got 0"),
+        (lambda d: _grid(d).update(contexts=[]), r"gpu\[1\]\.contexts: expected a non-empty list"),
+        (lambda d: _grid(d).update(modes=["backward"]), r"modes\[0\]: unknown value 'backward'"),
+        (lambda d: _grid(d).update(precisions=["fp8"]), r"precisions\[0\]: unknown value 'fp8'"),
+        (lambda d: _grid(d).update(compile=["yes"]), r"compile\[0\]: expected true or false"),
+        (lambda d: _grid(d).update(attention=["flashy"]), r"attention\[0\]: unknown value 'flashy'"),
+        (lambda d: _grid(d).update(warmup=-1), r"gpu\[1\]\.warmup: expected an integer >= 0"),
+        (lambda d: _grid(d).update(rounds=True), r"gpu\[1\]\.rounds: expected a positive integer, got True"),
+        (lambda d: _grid(d).pop("rounds"), r"gpu\[1\]: missing required key 'rounds'"),
+        (lambda d: d["suites"].update(bogus={"profiles": {}}), r"suites\.bogus: unknown suite 'bogus'"),
+        (lambda d: d["suites"]["end_to_end"]["profiles"].update(laptop=[]), r"unknown key 'laptop'; valid: cpu"),
+        (lambda d: d.update(extra=1), r"benchmarks\.json: unknown key 'extra'"),
+        (lambda d: d.update(gates=[{"name": "g", "suite": "end_to_end", "numerator": {"compile": True},
+                                     "denominator": {"compile": False}, "max_ratio": -1}]),
+         r"gates\[0\]\.max_ratio: expected a positive number"),
+        (lambda d: d.update(gates=[{"name": "g"}]), r"gates\[0\]: missing required key"),
+    ],
+)
+def test_malformed_matrix_errors_name_the_problem(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)
+
+
+def test_valid_gate_is_accepted(data):
+    data["gates"] = [{"name": "compile pays", "suite": "end_to_end", "numerator": {"compile": True},
+                      "denominator": {"compile": False}, "max_ratio": 1.0}]
+    assert matrix.parse(data).gates[0]["max_ratio"] == 1.0
+
+
+def test_load_reports_invalid_json(tmp_path):
+    path = tmp_path / "benchmarks.json"
+    path.write_text("{ not json")
+    with pytest.raises(MatrixError, match="invalid JSON"):
+        matrix.load(path)
+
+
+def test_unknown_suite_or_profile_in_cases(data):
+    m = matrix.parse(data)
+    with pytest.raises(ValueError, match="unknown suite 'nope'"):
+        m.cases("nope", "cpu")
+    with pytest.raises(ValueError, match="unknown profile 'laptop'"):
+        m.cases("end_to_end", "laptop")
+
+
+# --- attention suites -------------------------------------------------------------------------------
+
+
+ATTENTION_SUITES = ("attention", "flash", "leaderboard")
+
+
+def test_attention_cpu_profiles_use_only_cpu_implementations(data):
+    from cs336_systems import attention
+
+    m = matrix.parse(data)
+    for suite in ATTENTION_SUITES:
+        cases = m.cases(suite, "cpu")
+        assert cases, f"{suite} has no cpu cases"
+        for case in cases:
+            assert attention.get(case["impl"]).available(torch.device("cpu")), case
+            assert case["seq_len"] <= 256 and case["rounds"] <= 5, f"cpu case too big for CI: {case}"
+
+
+def test_attention_gpu_profile_covers_the_handout_sweep(data):
+    cases = matrix.parse(data).cases("attention", "gpu")
+    covered = {
+        (c["impl"], c["head_dim"], c["seq_len"], c["mode"])
+        for c in cases
+        if c["batch_size"] == 8 and c["heads"] is None and c["dtype"] == "fp32" and not c["causal"]
+        and not c["compile"]
+    }
+    for impl in ("naive", "naive-compiled", "flash-triton"):
+        for d in (16, 32, 64, 128):
+            for n in (256, 1024, 4096, 8192, 16384):
+                for mode in ("forward", "backward"):
+                    assert (impl, d, n, mode) in covered
+    full = matrix.parse(data).cases("attention", "full")
+    assert {c["causal"] for c in full} == {False, True}
+
+
+def test_flash_gpu_profile_covers_the_sweep(data):
+    cases = matrix.parse(data).cases("flash", "gpu")
+    covered = {(c["seq_len"], c["head_dim"], c["dtype"], c["mode"]) for c in cases
+               if c["batch_size"] == 1 and c["heads"] is None and c["causal"]}
+    for n in (2**k for k in range(7, 17)):
+        for d in (16, 32, 64, 128):
+            for dtype in ("bf16", "fp32"):
+                for mode in ("forward", "backward", "forward-backward"):
+                    assert (n, d, dtype, mode) in covered
+    for dtype in ("bf16", "fp32"):
+        impls = {c["impl"] for c in cases if c["dtype"] == dtype}
+        assert {"flash-triton", "naive", "sdpa-flash", "sdpa-cudnn"} <= impls
+
+
+def test_flash_graph_groups_cover_issue_7s_sweep_without_backward_mode(data):
+    cases = [c for c in matrix.parse(data).cases("flash", "gpu") if c["timing"] == "graph"]
+    assert {c["mode"] for c in cases} == {"forward", "forward-backward"}
+    bf16 = {(c["seq_len"], c["head_dim"], c["impl"]) for c in cases if c["dtype"] == "bf16"}
+    for n in (2**k for k in range(10, 17)):  # issue 7's Must 2: N >= 1024, d 64 and 128, vs sdpa-flash
+        for d in (64, 128):
+            assert {(n, d, "flash-triton"), (n, d, "sdpa-flash")} <= bf16
+
+
+def test_leaderboard_profile_is_the_leaderboard_shape(data):
+    cases = matrix.parse(data).cases("leaderboard", "gpu")
+    assert cases
+    for c in cases:
+        assert (c["batch_size"], c["heads"], c["seq_len"], c["head_dim"], c["dtype"], c["causal"]) == (
+            1, 16, 16384, 64, "bf16", True)
+        assert c["flush_l2"] is True
+    assert {(c["impl"], c["compile"]) for c in cases} >= {
+        ("flash-triton", True), ("sdpa-flash", False), ("sdpa-cudnn", False)}
+    assert {c["mode"] for c in cases} == {"forward", "backward", "forward-backward"}
+
+
+def test_every_gpu_case_belongs_to_a_named_group(data):
+    m = matrix.parse(data)
+    for suite in m.suites:
+        for case in m.cases(suite, "gpu"):
+            assert case["group"] != "default", f"{suite}: a gpu case has no group (10-minute runs): {case}"
+
+
+def test_attention_grid_expands_with_defaults():
+    grid = {"impls": ["naive"], "batch_sizes": [2], "seq_lens": [8, 16], "head_dims": [4],
+            "dtypes": ["fp32"], "causal": [True], "modes": ["backward"], "warmup": 1, "rounds": 2}
+    data = {"suites": {"flash": {"profiles": {"cpu": [grid]}}}}
+    cases = matrix.parse(data).cases("flash", "cpu")
+    assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "seq_len": 8, "head_dim": 4,
+                        "dtype": "fp32", "causal": True, "mode": "backward", "compile": False,
+                        "flush_l2": False, "timing": "host", "warmup": 1, "rounds": 2, "group": "default"}
+    assert [c["seq_len"] for c in cases] == [8, 16]
+    grid["heads"] = [None, 4]
+    assert [c["heads"] for c in matrix.parse(data).cases("flash", "cpu")] == [None, None, 4, 4]
+
+
+def _attention_grid(data, suite="flash"):
+    return data["suites"][suite]["profiles"]["gpu"][0]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _attention_grid(d).update(impls=["flashy"]),
+         r"flash\.profiles\.gpu\[0\]\.impls\[0\]: unknown value 'flashy'; valid: naive"),
+        (lambda d: _attention_grid(d).update(seq_len=[128]), r"flash\.profiles\.gpu\[0\]: unknown key 'seq_len'"),
+        (lambda d: _attention_grid(d).update(heads=[None, 0]), r"gpu\[0\]\.heads\[1\]: expected a positive integer"),
+        (lambda d: _attention_grid(d).update(dtypes=["fp8"]), r"gpu\[0\]\.dtypes\[0\]: unknown value 'fp8'"),
+        (lambda d: _attention_grid(d).update(modes=["train-step"]), r"gpu\[0\]\.modes\[0\]: unknown value 'train-step'"),
+        (lambda d: _attention_grid(d).update(causal=[1]), r"gpu\[0\]\.causal\[0\]: expected true or false"),
+        (lambda d: _attention_grid(d).update(flush_l2=[True]), r"gpu\[0\]\.flush_l2: expected true or false"),
+        (lambda d: _attention_grid(d).update(timings=["wall"]), r"gpu\[0\]\.timings\[0\]: unknown value 'wall'"),
+        (lambda d: _attention_grid(d).update(timings=["device", "graph"], modes=["forward", "backward"]),
+         r"gpu\[0\]: timings 'graph' cannot time mode 'backward'"),
+        (lambda d: _attention_grid(d).update(head_dims=[]), r"gpu\[0\]\.head_dims: expected a non-empty list"),
+        (lambda d: _attention_grid(d).pop("seq_lens"), r"gpu\[0\]: missing required key 'seq_lens'"),
+        (lambda d: _attention_grid(d, "leaderboard").update(compile=["yes"]),
+         r"leaderboard\.profiles\.gpu\[0\]\.compile\[0\]: expected true or false"),
+        (lambda d: _attention_grid(d, "attention").update(sizes=["small"]),
+         r"attention\.profiles\.gpu\[0\]: unknown key 'sizes'"),
+    ],
+)
+def test_malformed_attention_grids_name_the_problem(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)
+
+
+# --- distributed suites ------------------------------------------------------------------------------
+
+def _dist_grid(d, suite, profile="gpu", index=0):
+    return d["suites"][suite]["profiles"][profile][index]
+
+
+def test_allreduce_profiles_cover_the_issue_grid(data):
+    m = matrix.parse(data)
+    gpu = {(c["backend"], c["size_mb"], c["world_size"]) for c in m.cases("allreduce", "gpu")}
+    for backend in ("nccl", "gloo"):
+        for size in (1, 10, 100, 1024):
+            for world in (2, 4, 6):
+                assert (backend, size, world) in gpu
+    cpu = m.cases("allreduce", "cpu")
+    assert {c["backend"] for c in cpu} == {"gloo"}  # CI has no GPU
+    assert max(c["size_mb"] for c in cpu) <= 100 and {c["world_size"] for c in cpu} == {2, 4}
+
+
+def test_data_parallel_gpu_profile_is_the_issue_setup(data):
+    cases = matrix.parse(data).cases("data_parallel", "gpu")
+    assert {(c["size"], c["context"], c["batch_size"], c["world_size"]) for c in cases} == {("xl", 512, 2, 2)}
+    assert {c["precision"] for c in cases} == {"fp32", "bf16"}
+    buckets = {c["bucket_size_mb"] for c in cases if c["variant"] == "bucketed"}
+    assert {1, 10, 100, 1000} <= buckets
+    for baseline in ("none", "torch-ddp", "naive", "flat", "individual", "zero1", "fsdp", "torch-zero"):
+        assert any(c["variant"] == baseline for c in cases), baseline
+    # a bucket size only on the variants that have buckets
+    assert all(c["bucket_size_mb"] is None for c in cases if c["variant"] not in ("bucketed", "zero-broadcast"))
+
+
+def test_scaling_groups_repeat_the_gpu_setup_at_world_4_and_8_in_the_full_profile(data):
+    """Issue 9: world 4 and 8 need machines CI does not have, so they live in the full profile only."""
+    cases = [c for c in matrix.parse(data).cases("data_parallel", "full") if c["group"].startswith("scaling-")]
+    assert {(c["size"], c["context"], c["batch_size"]) for c in cases} == {("xl", 512, 2)}
+    assert {c["world_size"] for c in cases} == {4, 8} and {c["precision"] for c in cases} == {"fp32", "bf16"}
+    assert {"none", "torch-ddp", "bucketed", "individual", "zero1", "torch-zero"} <= {c["variant"] for c in cases}
+
+
+def test_data_parallel_cpu_profile_runs_every_variant(data):
+    from cs336_systems.bench.workloads.data_parallel import VARIANTS
+
+    cases = matrix.parse(data).cases("data_parallel", "cpu")
+    assert {c["variant"] for c in cases} == set(VARIANTS)
+    assert {c["backend"] for c in cases} == {"gloo"} and {c["size"] for c in cases} == {"tiny"}
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _dist_grid(d, "allreduce").update(backends=["mpi"]),
+         r"allreduce\.profiles\.gpu\[0\]\.backends\[0\]: unknown value 'mpi'; valid: gloo, nccl"),
+        (lambda d: _dist_grid(d, "allreduce").update(sizes_mb=[0]),
+         r"allreduce\.profiles\.gpu\[0\]\.sizes_mb\[0\]: expected a positive number"),
+        (lambda d: _dist_grid(d, "allreduce").update(world_sizes=[1.5]),
+         r"allreduce\.profiles\.gpu\[0\]\.world_sizes\[0\]: expected a positive integer"),
+        (lambda d: _dist_grid(d, "data_parallel").update(variants=["deepspeed"]),
+         r"data_parallel\.profiles\.gpu\[0\]\.variants\[0\]: unknown value 'deepspeed'; valid: none"),
+        (lambda d: _dist_grid(d, "data_parallel", index=1).update(bucket_sizes_mb=[None, -1]),
+         r"data_parallel\.profiles\.gpu\[1\]\.bucket_sizes_mb\[1\]: expected a positive number"),
+        (lambda d: _dist_grid(d, "data_parallel").pop("world_sizes"),
+         r"data_parallel\.profiles\.gpu\[0\]: missing required key 'world_sizes'"),
+    ],
+)
+def test_malformed_distributed_grids_name_the_problem(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)
+
+
+def test_checkpointing_suite_sweeps_the_policies_on_xl(data):
+    cases = matrix.parse(data).cases("checkpointing", "gpu")
+    assert {c["checkpoint"] for c in cases} == {"none", "every-1", "every-2", "every-4", "sqrt", "nested"}
+    assert {(c["size"], c["context"], c["batch_size"], c["precision"], c["mode"]) for c in cases} == {
+        ("xl", 512, 4, "bf16", "train-step")}
+
+
+def test_bad_checkpoint_policy_names_the_path(data):
+    data["suites"]["checkpointing"]["profiles"]["gpu"][0]["checkpoints"] = ["none", "every-0"]
+    with pytest.raises(MatrixError, match=r"checkpointing\.profiles\.gpu\[0\]\.checkpoints\[1\]: .*every-0"):
+        matrix.parse(data)
