@@ -13,7 +13,7 @@ The launches are registered as `torch.library.custom_op`s (cs336::flash_attn_fwd
 (shape-only) implementations, so `torch.compile(FlashAttentionTriton.apply, fullgraph=True)` traces them as
 opaque ops without graph breaks and calls them at run time.  Not `triton_op` + `wrap_triton` (inductor
 launching the kernels itself): on Hopper the launches take host-side TMA descriptors, which torch 2.11
-cannot trace inside a `triton_op` (results/h100/flash-attention-log.md, eighth session); the price is the
+cannot trace inside a `triton_op` (docs/flash-attention.md, Sections 3 and 6); the price is the
 custom-op dispatch on the host, not device time.  An eager call on plain tensors (nothing tracing)
 launches the same kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most
 of the call.

@@ -12,7 +12,7 @@ useful work).  PaLM's 6N + 12*L*H*Q*T per token is the non-causal train version 
 These are *model* FLOPs: recomputation (activation checkpointing, FlashAttention's backward) does not
 count, so MFU compares implementations fairly.
 
-Attention alone (DESIGN.md convention): forward 4 * B * H * Nq * Nk * d, x0.5 causal; backward 2.5x
+Attention alone (the FlashAttention-2 benchmark convention): forward 4 * B * H * Nq * Nk * d, x0.5 causal; backward 2.5x
 forward (it recomputes the scores), forward+backward 3.5x.
 
 MFU = achieved FLOP/s / peak FLOP/s; the peak comes from `cs336_systems.bench.machine.peak_tflops`

@@ -1,6 +1,6 @@
 """Data-parallel training wrappers: four ways to average gradients across ranks.
 
-All four share one interface (DESIGN.md):
+All four share one interface (docs/distributed.md):
 
     ddp = DDPBucketed(model, bucket_size_mb=25)     # broadcasts rank 0's parameters and buffers
     loss = loss_fn(ddp(x_local), y_local)           # forward = model.forward

@@ -83,7 +83,8 @@ def write_baseline(runs_paths: list[Path], storage: Path) -> Path:
     target = Path(storage) / machine_id / BASELINE_NAME
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(merged, indent=1) + "\n")
+        # compact: a baseline is read by pytest-benchmark, not by people, and is committed to the repository
+        target.write_text(json.dumps(merged, separators=(",", ":")) + "\n")
     except OSError as exc:
         raise ValueError(f"cannot write the baseline under --storage {storage}: {exc}") from None
     return target

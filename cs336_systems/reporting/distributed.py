@@ -3,11 +3,11 @@
 Tables for the distributed suites (cases identified by ``extra_info["suite"]``; every time is the slowest
 rank's per-round median):
   * allreduce: per backend, size x world-size rows: time per all-reduce, algbw and busbw (as recorded by
-    cs336_systems.bench.workloads.allreduce), and busbw over the issue's 2xH200 reference (`ALLREDUCE_REFERENCE`);
+    cs336_systems.bench.workloads.allreduce), and busbw over the 2xH200 NVLink reference (`ALLREDUCE_REFERENCE`);
   * data_parallel: per (size, context, batch, precision, world size, backend) one row per variant
     (bucketed: per bucket size): step ms, ratio to torch DDP and to the no-communication step,
     synchronization time and share, and the part of NaiveDDP's communication time the overlapping
-    wrappers hide; the issue's two targets (`DDP_TARGETS`) evaluated on this run's numbers; a summary of
+    wrappers hide; the two DDP targets (`DDP_TARGETS`) evaluated on this run's numbers; a summary of
     step times per precision; a memory table per case;
   * the DDP bucket model (only when both suites are present): o and w fitted to the all-reduce times of
     the same backend and world size (cs336_systems.tools.accounting), s = gradient bytes of the model, the
@@ -41,8 +41,8 @@ from cs336_systems.reporting.tables import (
 )
 from cs336_systems.tools import accounting
 
-# Reference all-reduce bus bandwidths from the distributed-benchmarks issue (also quoted in
-# benchmarks.json's allreduce description and DESIGN.md): 2xH200 with NVLink, 2 ranks.  NCCL: busbw in
+# Reference all-reduce bus bandwidths measured with NCCL on 2xH200 (also quoted in benchmarks.json's
+# allreduce description): 2xH200 with NVLink, 2 ranks.  NCCL: busbw in
 # GB/s per message size in MiB; gloo (tensors on the CPU): a range, whatever the size.
 ALLREDUCE_REFERENCE = {
     "gpu": "H200",  # applies to runs whose GPU name contains this ...
@@ -65,7 +65,7 @@ NO_COMM_VARIANT = "none"
 HIDING_VARIANTS = ("individual", "bucketed")  # overlap communication with backward
 
 
-# The issue's targets: DDPBucketed's best bucket size at most 0.98x torch DDP's step time, and
+# The DDP targets: DDPBucketed's best bucket size at most 0.98x torch DDP's step time, and
 # DDPIndividualParameters hiding at least 80% of NaiveDDP's communication time (1 - sync / naive sync).
 DDP_TARGETS = {"bucketed_max_ratio": 0.98, "individual_min_hidden": 0.80}
 
@@ -88,7 +88,7 @@ GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights (bf16 auto
 
 
 def allreduce_reference(backend: str, size_mb, world_size, gpu_name: str | None):
-    """The issue's reference busbw (GB/s) for this case: a number (NCCL), a (low, high) range (gloo), or
+    """The reference busbw (GB/s) for this case: a number (NCCL), a (low, high) range (gloo), or
     None where the reference does not apply (another world size, another GPU, an unlisted size)."""
     ref = ALLREDUCE_REFERENCE
     if world_size != ref["world_size"] or ref["gpu"] not in (gpu_name or ""):
@@ -138,7 +138,7 @@ def allreduce_tables(entries: list[dict], machines: list[dict] | None = None) ->
         return ""
     ref = ALLREDUCE_REFERENCE
     nccl = ", ".join(f"{fmt_mib(k)} MiB {v:g}" for k, v in ref["nccl"].items())
-    note = (f"busbw = algbw · 2(n−1)/n (nccl-tests). Reference: the issue's {ref['world_size']}×{ref['gpu']} "
+    note = (f"busbw = algbw · 2(n−1)/n (nccl-tests). Reference: {ref['world_size']}×{ref['gpu']} "
             f"(NVLink) numbers, applied to {ref['world_size']}-rank runs on that GPU only: NCCL busbw {nccl} "
             f"GB/s; gloo {ref['gloo'][0]:g}–{ref['gloo'][1]:g} GB/s.")
     return "\n\n".join(out) + "\n\n" + note
@@ -191,7 +191,7 @@ def hidden_fraction(entry: dict | None, naive: dict | None, by_run: dict[str, di
 
 
 def ddp_targets(group: list[dict]) -> dict:
-    """The issue's targets on one data_parallel case, from same-run numbers only.
+    """The DDP targets on one data_parallel case, from same-run numbers only.
 
     Returns {"bucketed": (best bucketed entry or None, its step / torch DDP's step or None, met or None),
              "individual": (hidden fraction or None, met or None)}; None = not measured in one run.
@@ -223,13 +223,13 @@ def targets_text(group: list[dict]) -> str:
     hidden, met_hidden = targets["individual"]
     floor = DDP_TARGETS["individual_min_hidden"]
     individual = (f"{100 * hidden:.1f}% -> {verdict(met_hidden)}" if hidden is not None else verdict(None))
-    return (f"Targets (issue): DDPBucketed's best bucket size ≤ {limit:g}x torch DDP's step: {bucketed}. "
+    return (f"Targets: DDPBucketed's best bucket size ≤ {limit:g}x torch DDP's step: {bucketed}. "
             f"DDPIndividualParameters hides ≥ {100 * floor:.0f}% of NaiveDDP's communication time "
             f"(1 − sync ms ÷ naive sync ms): {individual}.")
 
 
 def data_parallel_tables(entries: list[dict], machines: list[dict] | None = None) -> str:
-    """Per data_parallel case: one row per variant (bucketed: per bucket size) and the issue's targets."""
+    """Per data_parallel case: one row per variant (bucketed: per bucket size) and the DDP targets."""
     by_run = machines_by_run(machines)
     out = []
     for key, group in dp_groups(entries):

@@ -99,7 +99,7 @@ def warmup_table(entries: list[dict]) -> str:
 
 def peak_memory_tables(entries: list[dict]) -> str:
     """End-to-end peak memory (GiB, measured rounds only) per size x context, one column per (mode,
-    precision): the seeds' "peak memory of the 2.7B model" table, for every size that ran."""
+    precision): the handout's "peak memory of the 2.7B model" table, for every size that ran."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
           and e.get("attention") == "sdpa"]
     cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}

@@ -10,7 +10,7 @@ matplotlib, so the report can name and link plots anywhere; `write_plots` draws 
   * flash sweep (``test_flash``): per (dtype, mode, ...) TFLOP/s vs N (log2 x), one panel per d, one line
     per implementation;
   * all-reduce (suite ``allreduce``): per backend, bus bandwidth vs message size (log x), one line per
-    world size, with the issue's 2xH200 reference where it applies (`report.allreduce_reference`);
+    world size, with the 2xH200 NVLink reference where it applies (`distributed.allreduce_reference`);
   * data parallel (suite ``data_parallel``): per case (size, context, batch, precision, world size,
     backend), DDPBucketed's step time vs bucket size (log x) with horizontal lines for ``none`` (no
     communication), ``torch-ddp`` and the single-bucket DDPBucketed; and the per-rank memory breakdown
@@ -307,7 +307,7 @@ def _allreduce_drawer(subset: list[dict], title: str, backend: str, by_run: dict
                                          by_run.get(e.get("run"), {}).get("gpu_name"))
             if ref is not None:
                 reference[e["size_mb"]] = ref
-        label = f"reference ({ALLREDUCE_REFERENCE['world_size']}x{ALLREDUCE_REFERENCE['gpu']}, issue)"
+        label = f"reference ({ALLREDUCE_REFERENCE['world_size']}x{ALLREDUCE_REFERENCE['gpu']} NVLink)"
         ranges = {v for v in reference.values() if isinstance(v, tuple)}
         for low, high in ranges:
             ax.axhspan(low, high, color="grey", alpha=0.2, label=label)

@@ -5,8 +5,8 @@ the loop-carried accumulators silently became fp64 (a compile error on the H100)
 after the multiply, every score tile was multiplied in fp64 (compiled forward+backward 1.6x slower
 than eager, and results differing from eager by an ulp).  The scales are now constexprs; this test
 compiles the kernels ahead of time and asserts the IR contains no f64 at all, so neither regression
-can come back unnoticed.  The compile runs in a child process with TRITON_INTERPRET=0 (this session's
-kernels are interpreted).
+can come back unnoticed.  The compile runs in a child process with TRITON_INTERPRET=0 (the test process
+itself runs the kernels in the Triton interpreter).
 """
 
 import os

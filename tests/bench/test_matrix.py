@@ -170,11 +170,11 @@ def test_flash_gpu_profile_covers_the_sweep(data):
         assert {"flash-triton", "naive", "sdpa-flash", "sdpa-cudnn"} <= impls
 
 
-def test_flash_graph_groups_cover_issue_7s_sweep_without_backward_mode(data):
+def test_flash_graph_groups_cover_the_long_bf16_sweep_without_backward_mode(data):
     cases = [c for c in matrix.parse(data).cases("flash", "gpu") if c["timing"] == "graph"]
     assert {c["mode"] for c in cases} == {"forward", "forward-backward"}
     bf16 = {(c["seq_len"], c["head_dim"], c["impl"]) for c in cases if c["dtype"] == "bf16"}
-    for n in (2**k for k in range(10, 17)):  # issue 7's Must 2: N >= 1024, d 64 and 128, vs sdpa-flash
+    for n in (2**k for k in range(10, 17)):  # N >= 1024, d 64 and 128, flash-triton vs sdpa-flash
         for d in (64, 128):
             assert {(n, d, "flash-triton"), (n, d, "sdpa-flash")} <= bf16
 
@@ -249,7 +249,7 @@ def _dist_grid(d, suite, profile="gpu", index=0):
     return d["suites"][suite]["profiles"][profile][index]
 
 
-def test_allreduce_profiles_cover_the_issue_grid(data):
+def test_allreduce_profiles_cover_the_size_and_world_size_grid(data):
     m = matrix.parse(data)
     gpu = {(c["backend"], c["size_mb"], c["world_size"]) for c in m.cases("allreduce", "gpu")}
     for backend in ("nccl", "gloo"):
@@ -261,7 +261,7 @@ def test_allreduce_profiles_cover_the_issue_grid(data):
     assert max(c["size_mb"] for c in cpu) <= 100 and {c["world_size"] for c in cpu} == {2, 4}
 
 
-def test_data_parallel_gpu_profile_is_the_issue_setup(data):
+def test_data_parallel_gpu_profile_is_xl_context_512_on_2_ranks(data):
     cases = matrix.parse(data).cases("data_parallel", "gpu")
     assert {(c["size"], c["context"], c["batch_size"], c["world_size"]) for c in cases} == {("xl", 512, 2, 2)}
     assert {c["precision"] for c in cases} == {"fp32", "bf16"}
@@ -274,7 +274,7 @@ def test_data_parallel_gpu_profile_is_the_issue_setup(data):
 
 
 def test_scaling_groups_repeat_the_gpu_setup_at_world_4_and_8_in_the_full_profile(data):
-    """Issue 9: world 4 and 8 need machines CI does not have, so they live in the full profile only."""
+    """World 4 and 8 need machines CI does not have, so they live in the full profile only."""
     cases = [c for c in matrix.parse(data).cases("data_parallel", "full") if c["group"].startswith("scaling-")]
     assert {(c["size"], c["context"], c["batch_size"]) for c in cases} == {("xl", 512, 2)}
     assert {c["world_size"] for c in cases} == {4, 8} and {c["precision"] for c in cases} == {"fp32", "bf16"}

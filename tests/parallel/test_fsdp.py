@@ -404,7 +404,7 @@ def _check_accuracy(case: dict, got: dict, where: str) -> None:
             assert got[f"{key}_err"] <= tol, f"{key}: {where}"
         return
     # Low precision: FSDP may deviate from the same-precision reference by at most twice what PyTorch's own
-    # low-precision computation deviates from fp32 (+ one ulp at 1), the accuracy bound of DESIGN.md.
+    # low-precision computation deviates from fp32 (+ one ulp at 1), the accuracy bound FSDP is held to.
     eps = torch.finfo(case["dtype"]).eps
     for key in ("loss", "grad", "update"):
         assert got[f"{key}_err"] <= 2 * got[f"lowp_{key}_err"] + eps, f"{key}: {where}"

@@ -194,17 +194,17 @@ def test_allreduce_plot_one_line_per_world_size_and_reference_on_h200(tmp_path):
     assert lines["2 ranks"][1] == pytest.approx([MIB / 0.002 / 1e9, 10 * MIB / 0.010 / 1e9])
     assert lines["4 ranks"][1] == pytest.approx([10 * MIB / 0.030 * 1.5 / 1e9])
     assert "tensors on the CPU" in ax.get_title()
-    # on 2xH200 the issue's reference is drawn: NCCL points at 1 and 10 MiB (2 ranks only), gloo a band
+    # on 2xH200 the NVLink reference is drawn: NCCL points at 1 and 10 MiB (2 ranks only), gloo a band
     path = tmp_path / "h200.json"
     path.write_text(json.dumps({"machine_info": {"cs336_systems": H200}, "benchmarks": [
         _bench("test_allreduce", f"{b}-{s}-{w}", _allreduce(b, s, w, 0.001), 0.001)
         for b, s, w in (("nccl", 1, 2), ("nccl", 10, 2), ("nccl", 10, 4), ("gloo", 1, 2))]}))
     by_name = {p.filename: p for p in plots.all_plots(*tables.load_runs([path]))}
     nccl = _lines(_drawn(by_name["allreduce-busbw-nccl.png"]).axes[0])
-    assert nccl["reference (2xH200, issue)"] == ([1, 10], [32.0, 150.0])
+    assert nccl["reference (2xH200 NVLink)"] == ([1, 10], [32.0, 150.0])
     gloo_ax = _drawn(by_name["allreduce-busbw-gloo.png"]).axes[0]
     (band,) = gloo_ax.patches
-    assert band.get_label() == "reference (2xH200, issue)"
+    assert band.get_label() == "reference (2xH200 NVLink)"
     corners = band.get_patch_transform().transform(band.get_path().vertices)  # y in data units
     low, high = sorted({round(float(y), 9) for y in corners[:, 1]})
     assert (low, high) == pytest.approx((1.0, 2.7))

@@ -97,7 +97,7 @@ def fp32_dot() -> str:
     products (hi*hi + hi*lo + lo*hi; the dropped lo*lo term is ~2^-22 relative): close to fp32 accuracy at
     tensor-core speed.  It is the arithmetic PyTorch's own fp32 SDPA kernel (mem-efficient, CUTLASS's
     OpMultiplyAddFastF32) uses on sm_80+.  "ieee" multiplies on the FMA units, exact fp32 products, several
-    times slower and register-hungry at d >= 64 (results/h100/flash-attention-log.md, tenth session).
+    times slower and register-hungry at d >= 64 (docs/flash-attention.md, Section 7).
     """
     value = os.environ.get(FP32_DOT_ENV, "") or "tf32x3"
     if value not in FP32_DOTS:
@@ -108,8 +108,8 @@ def fp32_dot() -> str:
 def dtype_class(dtype: torch.dtype) -> str:
     """fp16 shares bf16's tables: same element size, same tensor-core rate.  float32 is "fp32x3" (tf32x3
     dots, tensor cores) or "fp32ieee" (FMA dots): different arithmetic, different best tiles (and different
-    shared memory: an IEEE-tuned tile can run out of it with tf32x3).  Before the tenth session float32 had
-    one class, "fp32", tuned with IEEE dots; autotune-cache entries under that name are never read now."""
+    shared memory: an IEEE-tuned tile can run out of it with tf32x3).  Earlier versions had one float32
+    class, "fp32", tuned with IEEE dots; autotune-cache entries under that name are never read."""
     if dtype == torch.float32:
         return "fp32x3" if fp32_dot() == "tf32x3" else "fp32ieee"
     if dtype in (torch.bfloat16, torch.float16):
@@ -169,7 +169,7 @@ def default_config(key: ShapeKey) -> dict[str, TileConfig]:
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     if key.dtype == "fp32x3":
         # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
-        # 32-query tiles at d = 64 and 128 (tenth session; dK/dV 32 x 32 everywhere in its second round);
+        # 32-query tiles at d = 64 and 128 (dK/dV 32 x 32 everywhere once that tile was a candidate);
         # these need 64-130 KB at d = 128 (Triton 3.9, sm_90), under sm_80's 163 KB.
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
@@ -188,32 +188,32 @@ def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
 # FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
 # from an empty cache (every candidate compiled once) stays well under a minute.
 SEARCH_SPACE = {
-    # "t": K/V through TMA descriptors (ninth session, results/h100/run-2026-11-22-ninth-tma-library/): forward
+    # "t": K/V through TMA descriptors (H100, 2026-11-22; docs/flash-attention.md, Section 6): forward
     # 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096, so
     # only where measured to win.  64 x 32 left for it (never chosen).
     ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
                               (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, 1)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
-    # 64 x 128-key dQ tiles joined in the eighth session (results/h100/run-2026-11-21-eighth-dq-tiles/):
-    # 2.6-25% faster than the previous best at d = 64 on every measured shape; 64 x 32 left (never chosen,
-    # and 32-key tiles lost every dQ measurement so far).
-    # TMA dQ (ninth session): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
+    # 64 x 128-key dQ tiles (H100, 2026-11-21): 2.6-25% faster than the best of the other candidates at
+    # d = 64 on every measured shape; 64 x 32 left (never chosen, and 32-key tiles lost every dQ
+    # measurement so far).
+    # TMA dQ (H100, 2026-11-22): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
     # N 16384 (against the best pointer tile) but +26-28% at the leaderboard shape and at N 65536; the
     # 128 x 32 tiles left for them (never chosen).
-    # Band mode (tenth session, results/h100/run-2026-11-22-tenth-band/): dQ 64 x 128 with the diagonal band
-    # through the descriptors too ran 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16
-    # at B*H 1, N 65536 (committed 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
+    # Band mode (H100, 2026-11-22): dQ 64 x 128 with the diagonal band through the descriptors too ran
+    # 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16 at B*H 1, N 65536 (committed
+    # 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
     # 64 x 128 w4 s4 left for it (last chosen before TMA).
     ("dq", "half"): _configs((128, 64, 8, 3, 1), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (128, 64, 8, 3),
                              (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
                              (64, 128, 4, 3)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
     # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
-    # Tenth session, first tuning round (results/h100/run-2026-11-22-tenth-a/): 32 x 64 won every kernel at
-    # d = 64 and 128, N 1024-16384, B*H 1; 64-query dQ and dK/dV tiles run out of shared memory at d = 128.
-    # The second round (run-2026-11-22-tenth-b/) moved dK/dV to 32 x 32 (d = 128, N 16384: 3.84 vs 6.55 ms),
-    # so the third added the 32 x 32 and 16-query variants around it (run-2026-11-22-tenth-d/).
+    # Tuned on an H100 from an empty cache (2026-11-22; docs/flash-attention.md, Section 7): among the
+    # half-precision shapes 32 x 64 won every kernel at d = 64 and 128, N 1024-16384, B*H 1, and 64-query dQ
+    # and dK/dV tiles run out of shared memory at d = 128.  With 32-query candidates dK/dV moved to 32 x 32
+    # (d = 128, N 16384: 3.84 vs 6.55 ms), hence the 32 x 32 and 16-query variants around it.
     ("fwd", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
                               (64, 32, 4, 3), (128, 32, 8, 3)),
     ("dkdv", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
@@ -260,16 +260,15 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 
 # Measured on an H100 80GB HBM3 (sm_90), torch 2.11, triton 3.6, with
 #   python -m cs336_systems.flash_autotune --dtype bf16 --shape 16,16384,64 ... --json ...
-# (results/h100/probes/run-issue7-tune.sh; every candidate's time in results/h100/flash-autotune-bf16.json).
-# Keys are ShapeKey.text(); values TileConfig.short().  The two fp32ieee entries were tuned when IEEE
-# was the only fp32 arithmetic (fourth session).
+# (the --json output records every candidate's time).  Keys are ShapeKey.text(); values
+# TileConfig.short().  The two fp32ieee entries were tuned when IEEE was the only fp32 arithmetic.
 TUNED_SM90: dict[str, dict[str, str]] = {
     "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
     "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    # float32, tf32x3 dots: the tenth session's tuning rounds, d = 16 / 32 from the second
-    # (results/h100/run-2026-11-22-tenth-b/), d = 64 / 128 from the third (run-2026-11-22-tenth-d/); each
-    # tune-fp32.json has every candidate's time.  At N = 1024 the tuner's per-kernel times are host-bound
-    # (tens of microseconds) and varied 2-3x between its two rounds: those entries are the weakest.
+    # float32, tf32x3 dots, tuned on an H100 (2026-11-22; docs/flash-attention.md, Section 7): d = 16 / 32
+    # before the 16-query and 8-warp 32 x 32 candidates were added, d = 64 / 128 with them.  At N = 1024 the
+    # tuner's per-kernel times are host-bound (tens of microseconds) and varied 2-3x between two tuning
+    # runs: those entries are the weakest.
     "d16-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d16-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d32-fp32x3-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
@@ -292,22 +291,21 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3"},
     "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3t"},
     # fwd and dq re-chosen by a same-run A/B in the harness (forward+backward, compiled, device time:
-    # 5.27 vs 5.45 ms for the tuner's first picks; results/h100/probes/wide-tune-probe-2026-11-21e.json);
-    # dq again in the eighth session, 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled
-    # forward+backward 5.260 vs 5.297 ms interleaved (results/h100/run-2026-11-21-eighth-dq-tiles/).
-    # The d = 64, B*H = 1 dq entries changed with the same probe (kernel alone: N = 4096 0.034 vs 0.040 ms,
-    # N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
-    # Ninth session (results/h100/run-2026-11-22-ninth-tma-library*/, each kernel alone, two runs of two
-    # passes): TMA forward at the leaderboard shape 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward
-    # 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208 and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280;
-    # N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4 0.112-0.119.
-    # Tenth session (run-2026-11-22-tenth-band/): dQ 64x128w4s3b (band mode) 1.198-1.202 ms vs 64x128w4s3
-    # 1.333; compiled forward+backward 5.162 / 5.097 vs 5.232 / 5.296 ms interleaved; at N 65536, B*H 1
-    # 1.156-1.158 vs 128x64w8s3t 1.264-1.279.
+    # 5.27 vs 5.45 ms for the tuner's first picks; H100, 2026-11-21); dq again the same day,
+    # 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled forward+backward 5.260 vs 5.297 ms
+    # interleaved.  The d = 64, B*H = 1 dq entries changed with the same measurement (kernel alone:
+    # N = 4096 0.034 vs 0.040 ms, N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
+    # TMA (H100, 2026-11-22, each kernel alone, two runs of two passes): forward at the leaderboard shape
+    # 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208
+    # and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280; N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4
+    # 0.112-0.119.
+    # Band mode (H100, 2026-11-22): dQ 64x128w4s3b 1.198-1.202 ms vs 64x128w4s3 1.333; compiled
+    # forward+backward 5.162 / 5.097 vs 5.232 / 5.296 ms interleaved; at N 65536, B*H 1 1.156-1.158 vs
+    # 128x64w8s3t 1.264-1.279.
     "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
     "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "64x128w4s3b"},
     "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
-    # d = 128 dQ re-measured in the ninth session (pointer loads; two runs of two passes): N 4096 64x128w4s3
+    # d = 128 dQ re-measured on 2026-11-22 (pointer loads; two runs of two passes): N 4096 64x128w4s3
     # 0.0503-0.0505 vs 64x64w4s3 0.0543-0.0544 ms; B*H 16, N 16384 128x64w8s3 2.45-2.59 vs 128x128w8s2 2.72-2.85.
     "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
     "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},

@@ -8,7 +8,7 @@ descriptors are built per call, so the registered ops that launch them are opaqu
 `triton_op` tracing cannot bind a descriptor argument under torch.compile).
 
 The softmax scales are constexprs: inductor passes Python floats to user kernels as fp64 scalars,
-which once turned every score tile's multiply into fp64 (see results/h100/flash-attention-log.md).
+which once turned every score tile's multiply into fp64 (see docs/flash-attention.md, Section 3).
 """
 
 from __future__ import annotations
