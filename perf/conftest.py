@@ -48,7 +48,7 @@ from cs336_systems.bench import matrix
 from cs336_systems.parallel import launch
 
 OOM_KEY = pytest.StashKey[list]()
-RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this session, for the ratio gates
+RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this pytest session, for the ratio gates
 GATES_KEY = pytest.StashKey[list]()
 GATES_ERROR_KEY = pytest.StashKey[str]()  # an ambiguous gate (gates.evaluate raised)
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +113,8 @@ def benchmark_group(case: dict) -> str:
     """The pytest-benchmark group of a case: its suite and the fields that are not compared within a table
     (e.g. ``flash: b1-n4096-d64-forward-bf16-causal-graphtime``)."""
     shape = case_id({k: v for k, v in case.items() if k not in _COMPARED_FIELDS})
-    return f"{case['suite']}: {shape}" if shape else case["suite"]
+    suite = case.get("suite", "perf")
+    return f"{suite}: {shape}" if shape else suite
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -319,7 +320,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Evaluate benchmarks.json's ratio gates on this session's timed cases; a violation fails the run."""
+    """Evaluate benchmarks.json's ratio gates on this pytest session's timed cases; a violation fails the run."""
     results = session.config.stash.get(RESULTS_KEY, [])
     if not results:
         return
