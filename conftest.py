@@ -16,12 +16,16 @@ pytest-benchmark integration
   machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton), and
   comparing against a saved run whose GPU or versions differ is refused with the list of differences
   (``--compare-any-machine`` turns the refusal into a loud warning): absolute times do not transfer
-  between machines.
+  between machines.  A ``--benchmark-compare`` that compared none of the run's timed cases, or a run with
+  cases of a group the baseline does not cover, fails the session (`reporting.baseline.coverage`); a
+  baseline saved from a dirty work tree is named in a warning.  ``--benchmark-json=PATH`` is checked
+  before anything runs: a path that cannot be written is a usage error, not a run lost at the end.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -35,6 +39,10 @@ import pytest  # noqa: E402
 from cs336_systems.bench import machine
 from cs336_systems.cli_args import positive_float
 from cs336_systems.bench.matrix import PROFILES
+from cs336_systems.reporting import baseline
+
+COMPARED_KEY = pytest.StashKey[list]()  # the saved runs --benchmark-compare loaded
+COVERAGE_KEY = pytest.StashKey[baseline.Coverage]()  # what --benchmark-compare covered of this run
 
 # pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
 pytest_plugins = ["pytester"]
@@ -58,6 +66,31 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "multi_gpu(n): needs n CUDA devices")
     config.addinivalue_line("markers", "slow: long-running")
+    config.stash[COMPARED_KEY] = []
+    _check_benchmark_json(config)
+
+
+def _check_benchmark_json(config: pytest.Config) -> None:
+    """pytest-benchmark writes --benchmark-json only after the last case: check now that it can."""
+    path = config.getoption("benchmark_json", None)
+    if path is None:
+        return
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError("is a directory")
+        if path.exists():
+            with open(path, "ab"):  # appends nothing, truncates nothing
+                pass
+        else:
+            with open(path, "xb"):
+                pass
+            path.unlink()
+    except FileExistsError:  # created meanwhile (another torchrun rank's check): writable
+        pass
+    except OSError as exc:
+        raise pytest.UsageError(f"--benchmark-json={path}: cannot write there ({exc.strerror or exc}); "
+                                "the run would be lost after it finished") from None
 
 
 def perf_profile(config: pytest.Config) -> str:
@@ -107,3 +140,35 @@ def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info
         if not config.getoption("--compare-any-machine"):
             raise pytest.UsageError(message + "\nRefusing the comparison; pass --compare-any-machine to force it.")
         benchmarksession.logger.warning(message)
+    config.stash[COMPARED_KEY].append(compared_benchmark)
+    if (compared_benchmark.get("commit_info") or {}).get("dirty"):
+        commit = (compared_benchmark.get("commit_info") or {}).get("id", "unknown")
+        benchmarksession.logger.warning(
+            f"The saved run compared against was made from a work tree with uncommitted changes (commit {commit}, "
+            "dirty): its times cannot be traced to code. Refresh the baseline at a clean commit.")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A --benchmark-compare that compared nothing, or left a group of this run without a baseline, fails."""
+    bench_session = getattr(session.config, "_benchmarksession", None)
+    if bench_session is None or not bench_session.compare:
+        return
+    timed = {b.fullname: (b.extra_info or {}).get("group") for b in bench_session.benchmarks if b}
+    covered = baseline.coverage(timed, session.config.stash.get(COMPARED_KEY, []))
+    session.config.stash[COVERAGE_KEY] = covered
+    if covered.problems() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    covered = config.stash.get(COVERAGE_KEY, None)
+    if covered is None:
+        return
+    if covered.problems():
+        terminalreporter.section("--benchmark-compare: incomplete comparison", red=True)
+        for problem in covered.problems():
+            terminalreporter.line(problem)
+    if covered.missing:
+        terminalreporter.section(f"--benchmark-compare: {len(covered.missing)} case(s) not in the baseline")
+        for name in covered.missing:
+            terminalreporter.line(f"not compared: {name}")

@@ -12,8 +12,26 @@ Two projections are fused for speed without changing the parameter count: Q, K a
 (3d x d) weight, and the SwiGLU gate and up projections from one (2 d_ff x d) weight.  One larger GEMM
 keeps the tensor cores busier than three small ones at the handout's batch sizes.
 
-`build(size, **overrides)` is the entry point; it allocates on the current default device, so
-``with torch.device("meta"): build("2.7B")`` counts and shapes the 2.7B model without memory.
+`build(size, **overrides)` is the entry point; it allocates on ``device`` or, by default, the current default
+device, so ``with torch.device("meta"): build("2.7B")`` counts and shapes the 2.7B model without memory.
+
+Validation (ValueError naming the argument and its value):
+  * the configuration, when a `ModelConfig` is constructed (sizes, ``rope_theta`` and ``norm_eps`` finite
+    and positive, a registered attention implementation, a checkpoint policy);
+  * `build`: ``dtype`` a floating-point torch.dtype; the attention implementation available on the device
+    the model is built on and taking its head dim (`attention.check_available`; not on the meta device,
+    where nothing runs);
+  * the first forward of each attention layer on a (device, dtype): the implementation available there and
+    supporting the inputs (`attention.check_inputs`), so a model built on one device and moved to another,
+    or cast, fails with the reason rather than deep inside a kernel (skipped while torch.compile traces);
+  * every forward: ``tokens`` an int64 / int32 tensor of shape (batch, seq) on the model's device with
+    seq <= context_length (shape, dtype and device only: no device work), and its values in
+    [0, vocab_size).  The range check reads two numbers back from the device: on the CPU it runs every
+    call; on CUDA it runs once per tokens tensor (object and version), so a loop that feeds the same batch
+    (every benchmark here) synchronizes only on its first step, and never while torch.compile traces or a
+    CUDA graph is captured.  Out-of-range ids on CUDA would otherwise trip a device-side assert that
+    poisons the CUDA context.  Set ``model.check_token_range = False`` to skip it (e.g. a training loop
+    that feeds a new, already validated batch every step and wants no synchronization).
 
 Activation checkpointing: ``ModelConfig.checkpoint`` ("none", "every-<k>", "sqrt"; e.g.
 ``build("xl", checkpoint="sqrt")``) selects which runs of consecutive blocks are recomputed in backward instead
@@ -25,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +53,15 @@ from torch import nn
 
 from cs336_systems import attention as attention_registry
 from cs336_systems.checkpointing import CheckpointPolicy, run_blocks
+
+
+# Devices whose tokens are range-checked on every forward (reading them back costs no synchronization);
+# elsewhere once per tokens tensor and version (module docstring).
+RANGE_CHECK_EVERY_CALL = frozenset({"cpu"})
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,8 +92,12 @@ class ModelConfig:
             raise ValueError(
                 f"head dimension d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE"
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+        if not isinstance(self.attention, str):
+            raise ValueError(f"attention must be an implementation name (str), got {self.attention!r}")
         attention_registry.get(self.attention)  # raises ValueError naming the valid implementations
         # Raises TypeError / ValueError naming `checkpoint`; a CheckpointPolicy is stored as its spec string.
         object.__setattr__(self, "checkpoint", str(CheckpointPolicy.parse(self.checkpoint)))
@@ -135,16 +168,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.attention = cfg.attention
         self.attention_fn = attention_registry.get(cfg.attention).fn
         self.qkv_proj = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.output_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = rope
+        self._checked: tuple[torch.device, torch.dtype] | None = None  # (device, dtype) the inputs passed on
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, d_head)
         q, k = self.rope(q, positions), self.rope(k, positions)
+        if not torch.compiler.is_compiling() and self._checked != (q.device, q.dtype):
+            # first call on this device and dtype (built elsewhere and moved, cast, autocast): can the
+            # implementation run these inputs?  ValueError naming it and the alternatives if not.
+            attention_registry.check_inputs(self.attention, q, k, v, True)
+            self._checked = (q.device, q.dtype)
         out = self.attention_fn(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
@@ -186,6 +226,8 @@ class TransformerLM(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.checkpoint_policy = CheckpointPolicy.parse(cfg.checkpoint)
+        self.check_token_range = True  # see the module docstring (False: no range check, no sync)
+        self._range_checked: tuple[weakref.ref, int] | None = None  # (tokens, version) checked on an accelerator
         self.reset_parameters()
 
     @torch.no_grad()
@@ -201,27 +243,81 @@ class TransformerLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 with T <= context_length -> logits (B, T, vocab_size)."""
-        seq = tokens.shape[-1]
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        """ValueError naming ``tokens`` unless it is an int64 / int32 (B, T) tensor on the model's device, with
+        T <= context_length and ids in [0, vocab_size) (the range check: module docstring)."""
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (batch, seq), got shape {tuple(tokens.shape)}")
+        if tokens.dtype != torch.int64 and tokens.dtype != torch.int32:
+            raise ValueError(f"tokens must hold integer token ids (torch.int64 or torch.int32), got dtype {tokens.dtype}")
+        seq = tokens.shape[1]
         if seq > self.config.context_length:
             raise ValueError(
-                f"sequence length {seq} exceeds context_length={self.config.context_length}"
+                f"sequence length {seq} of tokens exceeds context_length={self.config.context_length}"
             )
+        device = tokens.device
+        weight_device = self.token_embeddings.weight.device
+        if device != weight_device:
+            raise ValueError(f"tokens are on device {device} but the model is on {weight_device}")
+        if not self.check_token_range or torch.compiler.is_compiling() or device.type == "meta":
+            return
+        every_call = device.type in RANGE_CHECK_EVERY_CALL
+        if not every_call:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            checked = self._range_checked
+            if checked is not None and checked[0]() is tokens and checked[1] == tokens._version:
+                return  # this very batch passed already: no second sync
+        if tokens.numel():
+            low, high = (int(x) for x in torch.aminmax(tokens))  # on an accelerator: one sync
+            vocab = self.config.vocab_size
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"tokens must be ids in [0, vocab_size={vocab}); got {bad} (tokens range from {low} to {high})")
+        if not every_call:
+            self._range_checked = (weakref.ref(tokens), tokens._version)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 (or int32) ids in [0, vocab_size), T <= context_length -> logits (B, T, vocab_size)."""
+        self._check_tokens(tokens)
+        seq = tokens.shape[1]
         positions = torch.arange(seq, device=tokens.device)
         x = self.token_embeddings(tokens)  # (B, T, d)
         x = run_blocks(self.layers, x, positions, policy=self.checkpoint_policy)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
 
-def build(size: str, *, dtype: torch.dtype | None = None, **overrides) -> TransformerLM:
-    """Build the LM of a named size (see SIZES) on the current default device.
+def build(
+    size: str, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, **overrides
+) -> TransformerLM:
+    """Build the LM of a named size (see SIZES) on ``device`` (default: the current default device).
 
     ``overrides`` replace ModelConfig fields (vocab_size, context_length, attention, rope_theta, checkpoint, ...);
     ``dtype`` casts parameters (default: float32 master weights, the mixed-precision setup).
-    Use ``with torch.device("cuda")`` / ``("meta")`` around the call to choose where it lives.
+    ``device="cuda"``, or ``with torch.device("cuda")`` / ``("meta")`` around the call, chooses where it lives.
+    The attention implementation must be available on that device and take the model's head dim (ValueError
+    naming it, the device and the alternatives; not checked on the meta device): build where the model runs
+    rather than on the CPU and moving it (a move is checked at the first forward).
     """
-    model = TransformerLM(config(size, **overrides))
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be a torch.device or a device string, got {device!r}: {exc}") from None
+    cfg = config(size, **overrides)
+    target = device if device is not None else torch.get_default_device()
+    if target.type != "meta":
+        attention_registry.check_available(cfg.attention, target, head_dim=cfg.d_head)
+    if device is None:
+        model = TransformerLM(cfg)
+    else:
+        with torch.device(device):
+            model = TransformerLM(cfg)
     if dtype is not None:
         model = model.to(dtype)
     return model

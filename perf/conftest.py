@@ -30,6 +30,13 @@ rounds (`benchmarking.record_measured_times`).  The ranks come from one of two p
 * under torchrun (``torchrun --nproc-per-node=N [--nnodes=M ...] -m pytest perf/ ...``) every rank runs
   the same session; the process group is the job's (env:// rendezvous, one per session), cases whose
   world_size or backend differ from the job's are skipped, and only rank 0 writes JSON / autosaves.
+
+At the end of the session the ratio gates of benchmarks.json are evaluated on the perf cases the session
+selected (after --perf-group, -k and -m), not only on those that produced a time: a selected pair with a
+side that ran out of memory, was skipped or failed fails the run with the reason, and a gate with no
+selected pair is listed as not applicable (`cs336_systems.reporting.gates`).  The saved JSON records the
+selection (``perf_profile``, ``perf_groups``, ``perf_not_timed`` with reasons) so ``cs336-gates`` judges a
+saved run the same way.
 """
 
 from __future__ import annotations
@@ -49,8 +56,11 @@ from cs336_systems.parallel import launch
 
 OOM_KEY = pytest.StashKey[list]()
 RESULTS_KEY = pytest.StashKey[list]()  # timed cases of this pytest session, for the ratio gates
+SELECTED_KEY = pytest.StashKey[dict]()  # nodeid -> (test name, case) of every perf case this pytest session selected
+OUTCOMES_KEY = pytest.StashKey[dict]()  # nodeid -> why a perf case did not pass ("skipped: ...", "failed: ...")
 GATES_KEY = pytest.StashKey[list]()
 GATES_ERROR_KEY = pytest.StashKey[str]()  # an ambiguous gate (gates.evaluate raised)
+GATES_IDLE_KEY = pytest.StashKey[str]()  # why the gates were not evaluated (nothing timed by design)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,37 +79,8 @@ def _load_matrix(config: pytest.Config) -> matrix.Matrix:
     return config._cs336_matrix
 
 
-# Case field -> how it appears in a test id, in id order.  A case shows only the fields it has, so LM
-# ids (small-ctx128-b4-forward-bf16-eager-sdpa-w5) and attention ids
-# (naive-b8-n1024-d64-backward-fp32-full-eager-w5) share one table.
-_ID_FORMAT = (
-    ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
-    ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"), ("variant", "{}"),
-    ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"), ("warmup", "w{}"),
-    ("flush_l2", None), ("timing", None),
-)
-
-
-def case_id(case: dict) -> str:
-    """Readable, stable test id: values joined in a fixed order (e.g. small-ctx128-b4-forward-bf16-eager)."""
-    parts = []
-    for key, fmt in _ID_FORMAT:
-        if key not in case or case[key] is None:  # heads=None: no heads dimension
-            continue
-        if key == "compile":
-            parts.append("compiled" if case[key] else "eager")
-        elif key == "causal":
-            parts.append("causal" if case[key] else "full")
-        elif key == "flush_l2":
-            if case[key]:
-                parts.append("l2flush")
-        elif key == "timing":
-            if case[key] != "host":  # the default keeps the ids saved before timings existed
-                parts.append(f"{case[key]}time")
-        else:
-            parts.append(fmt.format(case[key]))
-    return "-".join(parts)
+# A case's test id is its identity (`matrix.case_id`): benchmarks.json refuses two cases with one id.
+case_id = matrix.case_id
 
 
 # Case fields that say *what* is compared within one pytest-benchmark table (the implementation, the
@@ -160,6 +141,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "suite(name): perf test parametrized from benchmarks.json's suite")
     config.stash[OOM_KEY] = []
     config.stash[RESULTS_KEY] = []
+    config.stash[SELECTED_KEY] = {}
+    config.stash[OUTCOMES_KEY] = {}
     _check_perf_groups(config)
 
 
@@ -271,7 +254,11 @@ _SPAWN_TIMEOUT_S = {"allreduce": 300.0, "data_parallel": 900.0}
 @pytest.fixture
 def dist_bench(benchmark, request: pytest.FixtureRequest, torchrun_context):
     """``dist_bench(body, *, case) -> dict``: run a collective benchmark body on world_size ranks and record
-    rank 0's slowest-rank round times as this case's rounds (see the module docstring)."""
+    rank 0's slowest-rank round times as this case's rounds (see the module docstring).
+
+    The body returns the same outcome on every rank (`cs336_systems.bench.rank_timing` agrees on it): status
+    "oom" (a rank ran out of memory; recorded under "oom" in the saved JSON, shown as an OOM cell) or
+    "error" (a rank raised: the test fails with that rank's error and traceback)."""
 
     def run(body, *, case: dict) -> dict:
         world, backend = case["world_size"], case["backend"]
@@ -294,12 +281,14 @@ def dist_bench(benchmark, request: pytest.FixtureRequest, torchrun_context):
                 result = {"status": "oom", "error": str(exc).strip().splitlines()[-1]}
         benchmark.extra_info["status"] = result["status"]
         benchmark.extra_info["device"] = "cuda" if backend == "nccl" else "cpu"
-        if result["status"] != "ok":
+        if result["status"] == "oom":  # every rank stopped; the error names the rank(s) out of memory
             request.config.stash[OOM_KEY].append(
                 {"name": request.node.name, "fullname": request.node.nodeid, "extra_info": dict(case),
                  "error": result.get("error")}
             )
             pytest.skip(f"OOM (recorded in the saved JSON): {result.get('error')}")
+        if result["status"] != "ok":  # a rank raised: its rank, phase and traceback
+            pytest.fail(f"distributed case failed: {result.get('error')}", pytrace=False)
         benchmarking.record_measured_times(benchmark, result["times_s"])
         benchmark.extra_info.update(result.get("extra_info", {}))
         if result.get("peak_memory_bytes") is not None:
@@ -313,26 +302,93 @@ def dist_bench(benchmark, request: pytest.FixtureRequest, torchrun_context):
     return run
 
 
+# --- what the session selected and what became of each case (for the gates and the saved JSON) ----------
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Remember the perf cases left after --perf-group, -k and -m: the cases this run owes a time."""
+    session.config.stash[SELECTED_KEY] = {
+        item.nodeid: (item.name, item.callspec.params["case"]) for item in session.items
+        if isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("case"), dict)
+    }
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    outcomes = item.config.stash.get(OUTCOMES_KEY, None)
+    if outcomes is not None and report.outcome != "passed" and item.nodeid not in outcomes:
+        outcomes[item.nodeid] = _reason(report)
+    return report
+
+
+def _reason(report: pytest.TestReport) -> str:
+    """"skipped: <reason>" or "failed: <exception line>" (setup and teardown errors say so)."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return "skipped: " + str(report.longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    lines = str(report.longrepr).strip().splitlines()
+    message = crash.message if crash is not None else (lines[-1] if lines else "")
+    kind = "failed" if report.when == "call" else f"error in {report.when}"
+    return f"{kind}: {' '.join(str(message).split())[:500]}"
+
+
+def _not_timed(config: pytest.Config) -> list[dict]:
+    """The selected perf cases that have neither a time nor an OOM record, each with why."""
+    timed = {gates.case_key(r) for r in config.stash.get(RESULTS_KEY, [])}
+    oom = {o["fullname"] for o in config.stash.get(OOM_KEY, [])}
+    outcomes = config.stash.get(OUTCOMES_KEY, {})
+    return [{"name": name, "fullname": nodeid, "extra_info": case,
+             "reason": outcomes.get(nodeid, "not run (the session ended first)")}
+            for nodeid, (name, case) in config.stash.get(SELECTED_KEY, {}).items()
+            if nodeid not in oom and gates.case_key(case) not in timed]
+
+
+def _selected_groups(config: pytest.Config) -> list[str]:
+    """The groups --perf-group selected, or every group of the profile when it was not given."""
+    groups = config.getoption("--perf-group")
+    available = _load_matrix(config).groups(_profile(config))
+    if groups is None:
+        return available
+    wanted = {g.strip() for g in groups.split(",") if g.strip()}
+    return [g for g in available if g in wanted]
+
+
+def _session_run(config: pytest.Config) -> gates.RunCases:
+    reasons = {gates.case_key(o["extra_info"]): f"OOM: {o['error']}" for o in config.stash.get(OOM_KEY, [])}
+    reasons.update({gates.case_key(r["extra_info"]): r["reason"] for r in _not_timed(config)})
+    selected = [case for _, case in config.stash.get(SELECTED_KEY, {}).values()]
+    return gates.RunCases(selected, list(config.stash.get(RESULTS_KEY, [])), reasons, _selected_groups(config))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
     output_json["oom"] = list(config.stash.get(OOM_KEY, []))
     output_json["perf_profile"] = _profile(config)
+    output_json["perf_groups"] = _selected_groups(config)
+    output_json["perf_not_timed"] = _not_timed(config)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Evaluate benchmarks.json's ratio gates on this pytest session's timed cases; a violation fails the run."""
-    results = session.config.stash.get(RESULTS_KEY, [])
-    if not results:
+    """Evaluate benchmarks.json's ratio gates on the perf cases this pytest session selected (see
+    `cs336_systems.reporting.gates`): a violated pair, or a selected pair without a time, fails the run."""
+    config = session.config
+    if not config.stash.get(SELECTED_KEY, {}):
         return
-    m = _load_matrix(session.config)
+    bench_session = getattr(config, "_benchmarksession", None)
+    if bench_session is None or bench_session.disabled or bench_session.skip:
+        config.stash[GATES_IDLE_KEY] = "benchmarks disabled or skipped in this pytest session: nothing was timed"
+        return
+    m = _load_matrix(config)
+    profile = _profile(config)
+    profile_cases = [{**c, "suite": s} for s in m.suites for c in m.cases(s, profile)]
     try:
-        checks = gates.evaluate(m.gates, results, gates.case_fields_of(m))
+        checks = gates.evaluate(m.gates, _session_run(config), gates.case_fields_of(m), profile_cases)
     except ValueError as exc:  # an ambiguous gate: fail the run, but let pytest-benchmark save its JSON
-        session.config.stash[GATES_ERROR_KEY] = str(exc)
+        config.stash[GATES_ERROR_KEY] = str(exc)
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         return
-    session.config.stash[GATES_KEY] = checks
+    config.stash[GATES_KEY] = checks
     if not all(c.ok for c in checks) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -342,17 +398,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if error is not None:
         terminalreporter.section("ratio gates: error", red=True)
         terminalreporter.line(error)
+    idle = config.stash.get(GATES_IDLE_KEY, None)
+    if idle is not None:
+        terminalreporter.section("ratio gates: not evaluated")
+        terminalreporter.line(idle)
     checks = config.stash.get(GATES_KEY, [])
     if checks:
-        violated = sum(not c.ok for c in checks)
-        measured = sum(c.ratio is not None for c in checks)
-        if violated:
-            title = f"ratio gates: {violated} violated"
-        elif measured:
-            title = f"ratio gates: all {measured} measured pairs hold"
-        else:
-            title = "ratio gates: none measured in this run"
-        terminalreporter.section(title, red=bool(violated), green=not violated)
+        failed = not all(c.ok for c in checks)
+        terminalreporter.section(gates.summary(checks), red=failed, green=not failed)
         for line in gates.table(checks).splitlines():
             terminalreporter.line(line)
     ooms = config.stash.get(OOM_KEY, [])

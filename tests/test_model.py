@@ -65,6 +65,128 @@ def test_bad_configuration_raises_value_error(call, match):
         call()
 
 
+@pytest.mark.parametrize("field, value", [
+    ("rope_theta", float("nan")), ("rope_theta", float("inf")), ("rope_theta", 0.0), ("rope_theta", -1.0),
+    ("rope_theta", "10000"), ("rope_theta", True),
+    ("norm_eps", 0.0), ("norm_eps", -1e-5), ("norm_eps", float("nan")), ("norm_eps", float("inf")),
+    ("norm_eps", None),
+])
+def test_non_finite_or_non_positive_rope_theta_and_norm_eps_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"{field} must be a finite positive number, got {value!r}"):
+        model.build("tiny", **{field: value})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "bfloat16", torch.int64, torch.bool, 16])
+def test_build_dtype_must_be_a_floating_point_torch_dtype(dtype):
+    with pytest.raises(ValueError, match=rf"dtype must be a floating-point torch.dtype \(e.g. torch.bfloat16\) "
+                                         rf"or None, got {dtype!r}"):
+        model.build("tiny", dtype=dtype)
+
+
+def test_build_device_argument():
+    lm = model.build("tiny", device="meta")
+    assert all(p.device.type == "meta" for p in lm.parameters())
+    with pytest.raises(ValueError, match=r"device must be a torch.device or a device string, got 'bf16'"):
+        model.build("tiny", device="bf16")
+
+
+@pytest.mark.parametrize("attention", ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"])
+def test_build_refuses_an_attention_unavailable_on_the_model_device(attention):
+    with pytest.raises(ValueError, match=rf"'{attention}' is not available on device cpu; available there: naive"):
+        model.build("tiny", attention=attention, device="cpu")
+    with torch.device("cpu"), pytest.raises(ValueError, match=rf"'{attention}' is not available on device cpu"):
+        model.build("tiny", attention=attention)
+    with torch.device("meta"):  # shapes and counts only: nothing runs, nothing is checked
+        model.build("tiny", attention=attention)
+
+
+def test_build_refuses_an_attention_that_does_not_take_the_head_dim(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # flash-triton available on the CPU
+    with pytest.raises(ValueError, match=r"'flash-triton' supports head dims .*, got head_dim=80"):
+        model.build("tiny", d_model=160, n_heads=2, attention="flash-triton")  # the 2.7B model's d_head
+
+
+def test_a_model_moved_to_a_device_its_attention_cannot_use_fails_at_the_first_forward():
+    with torch.device("meta"):
+        lm = model.build("tiny", context_length=16, attention="sdpa-flash")
+    lm = lm.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"'sdpa-flash' is not available on device cpu; available there: naive"):
+        lm(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_model_cast_to_a_dtype_its_attention_cannot_compute_fails_at_the_first_forward(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("flash-triton's bf16 is refused only under the CPU interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lm = model.build("tiny", context_length=16, attention="flash-triton", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'flash-triton' does not support these inputs on device cpu "
+                                         r"\(torch.bfloat16.*interpreter"):
+        lm(torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tokens, match", [
+    (torch.tensor([[1, 2, 64]]), r"tokens must be ids in \[0, vocab_size=64\); got 64 \(tokens range from 1 to 64\)"),
+    (torch.tensor([[1, -1, 3]]), r"tokens must be ids in \[0, vocab_size=64\); got -1"),
+    (torch.tensor([[1, 2, 3]], dtype=torch.int32) + 100, r"got 103"),
+    (torch.tensor([[1.0, 2.0]]), r"tokens must hold integer token ids \(torch.int64 or torch.int32\), got dtype torch.float32"),
+    (torch.tensor([[True, False]]), r"got dtype torch.bool"),
+    (torch.tensor([[1, 2]], dtype=torch.uint8), r"got dtype torch.uint8"),
+    (torch.tensor([1, 2, 3]), r"tokens must have shape \(batch, seq\), got shape \(3,\)"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), r"tokens must have shape \(batch, seq\), got shape \(1, 2, 3\)"),
+    (torch.zeros(1, 17, dtype=torch.long), r"sequence length 17 of tokens exceeds context_length=16"),
+    (torch.zeros(1, 4, dtype=torch.long, device="meta"), r"tokens are on device meta but the model is on cpu"),
+    ([[1, 2]], r"tokens must be a torch.Tensor of token ids, got list"),
+])
+def test_bad_tokens_raise_value_error_naming_tokens(tokens, match):
+    lm = model.build("tiny", vocab_size=64, context_length=16)
+    with pytest.raises(ValueError, match=match):
+        lm(tokens)
+
+
+def test_token_range_check_on_an_accelerator_runs_once_per_tokens_tensor(monkeypatch):
+    """The range check reads two numbers back: on the CPU every call; on an accelerator (a sync there) once
+    per tokens tensor and version, so a loop that feeds the same batch syncs on its first step only.  The
+    accelerator path is exercised on the CPU by taking the CPU out of RANGE_CHECK_EVERY_CALL."""
+    lm = model.build("tiny", vocab_size=64, context_length=16)
+    tokens = torch.randint(0, 64, (2, 8))
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(1) or real(t))
+    lm(tokens)
+    lm(tokens)
+    assert len(calls) == 2  # CPU: every call
+    monkeypatch.setattr(model, "RANGE_CHECK_EVERY_CALL", frozenset())
+    calls.clear()
+    for _ in range(3):
+        lm(tokens)
+    assert len(calls) == 1  # the same tensor, unchanged: checked once
+    tokens[0, 0] = 64  # in place: a new version is checked again
+    with pytest.raises(ValueError, match="got 64"):
+        lm(tokens)
+    lm(torch.randint(0, 64, (2, 8)))
+    assert len(calls) == 3  # a new tensor is checked
+    lm.check_token_range = False
+    with pytest.raises(IndexError):  # switched off: no range check, the embedding's own error
+        lm(torch.full((1, 3), 99))
+    assert len(calls) == 3
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_tokens_raise_before_the_device_asserts():
+    lm = model.build("tiny", vocab_size=64, context_length=16, device="cuda")
+    good = torch.randint(0, 64, (2, 8), device="cuda")
+    lm(good)
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size=64\); got 64"):
+        lm(torch.full((2, 8), 64, device="cuda"))
+    lm(good)  # the CUDA context is still usable
+    bad = good.clone()
+    lm(bad)
+    bad[0, 0] = 64  # in place: a new version, checked again
+    with pytest.raises(ValueError, match="got 64"):
+        lm(bad)
+    torch.cuda.synchronize()
+
+
 def test_sequence_longer_than_context_raises():
     lm = model.build("tiny", context_length=16)
     with pytest.raises(ValueError, match="exceeds context_length=16"):

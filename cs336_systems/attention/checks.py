@@ -1,6 +1,8 @@
 """Input validation shared by every attention implementation.
 
-Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v == d); leading dims identical.
+Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v == d); leading dims identical; d >= 1.
+``is_causal`` is a Python bool (a string such as "false" is truthy, so it is refused rather than read as
+causal).  The checks are plain Python on shapes and dtypes: no device work, no synchronization.
 """
 
 from __future__ import annotations
@@ -17,14 +19,25 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} must have shape (..., N, d), got shape {tuple(t.shape)}")
         if not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if q.shape[-1] != k.shape[-1] or v.shape[-1] != q.shape[-1]:
+    d = q.shape[-1]
+    if not d or k.shape[-1] != d or v.shape[-1] != d:
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        if not d:
+            raise ValueError(f"head dim d (the last dim of q, k, v) must be >= 1; got {shapes}")
         raise ValueError(f"head dim d must match across q, k, v (last dim); got {shapes}")
     if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v must have the same length Nk (dim -2); got {shapes}")
+        raise ValueError(f"k and v must have the same length Nk (dim -2); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise ValueError(f"leading (batch/head) dims must match across q, k, v; got {shapes}")
+        raise ValueError(f"leading (batch/head) dims must match across q, k, v; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def check_is_causal(is_causal: object) -> None:
+    """``is_causal`` must be True or False (ValueError naming it otherwise: "false" would read as causal)."""
+    if is_causal is not True and is_causal is not False:
+        raise ValueError(f"is_causal must be a bool (True or False), got {is_causal!r} ({type(is_causal).__name__})")

@@ -1,8 +1,12 @@
 """FlashAttention-2 in plain PyTorch tiles: a tiled online-softmax forward and a recomputing backward.
 
 Shapes: q (..., Nq, d), k and v (..., Nk, d) -> o (..., Nq, d); leading dims are flattened to one
-batch dim B internally.  Inputs may be float32, bfloat16 or float16; all arithmetic is float32 and the
-outputs (o, and dq, dk, dv in backward) come back in the input dtype.
+batch dim B internally.  Inputs may be float32, bfloat16 or float16, whose arithmetic is float32, or
+float64, computed in float64 throughout (a reference: its backward runs the block eagerly, not compiled);
+the outputs (o, and dq, dk, dv in backward) come back in the input dtype.  The saved L is float32, or
+float64 for float64 inputs.  ``is_causal`` must be a bool.  Double backward (``create_graph=True``) raises a
+RuntimeError: the recomputing backward's gradients carry no graph, so second derivatives would silently
+lose their terms through attention.
 
 Forward (Algorithm 1 of the FlashAttention-2 paper), for each query tile Q_i (Q_TILE rows):
 
@@ -38,9 +42,8 @@ import contextlib
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from cs336_systems.attention.checks import check_qkv
+from cs336_systems.attention.checks import check_is_causal, check_qkv
 from cs336_systems.attention.naive import MASK_VALUE
 from cs336_systems.nvtx import nvtx_range
 
@@ -56,20 +59,26 @@ K_TILE = 128
 BACKWARD_K_TILE = 128
 
 
-def _flatten(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """(..., N, d) -> (B, N, d) in float32 (a no-op copy-wise for contiguous float32 input)."""
-    return t.reshape(batch, t.shape[-2], t.shape[-1]).float()
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other input dtype computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _flatten(t: torch.Tensor, batch: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(..., N, d) -> (B, N, d) in ``dtype`` (a no-op copy-wise for contiguous input already in it)."""
+    return t.reshape(batch, t.shape[-2], t.shape[-1]).to(dtype)
 
 
 def _flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Nq, d), k and v (B, Nk, d), all float32 -> o (B, Nq, d), L (B, Nq), both float32."""
+    """q (B, Nq, d), k and v (B, Nk, d), all float32 (or all float64) -> o (B, Nq, d), L (B, Nq), both in
+    the inputs' dtype."""
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
     q = q * (1.0 / math.sqrt(d))  # scale once here rather than every score tile
     o = torch.empty_like(q)
-    lse = torch.empty(batch, n_queries, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, n_queries, dtype=q.dtype, device=q.device)
     if n_keys == 0:
         # Softmax over no keys: the reference gives zeros (an empty matmul); logsumexp of nothing is -inf.
         o.zero_()
@@ -78,7 +87,7 @@ def _flash_forward(
     for q_start in range(0, n_queries, Q_TILE):
         q_end = min(q_start + Q_TILE, n_queries)
         q_tile = q[:, q_start:q_end]  # (B, bq, d)
-        m = torch.full((batch, q_end - q_start), -math.inf, dtype=torch.float32, device=q.device)
+        m = torch.full((batch, q_end - q_start), -math.inf, dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(q_tile)
         # Causal: the tile's last query (q_end - 1) sees keys < q_end, so later keys are masked for
@@ -165,11 +174,13 @@ def _flash_backward(
     do: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, o, do (B, Nq, d), k, v (B, Nk, d), lse (B, Nq); all float32 -> dq (B, Nq, d), dk, dv (B, Nk, d)."""
+    """q, o, do (B, Nq, d), k, v (B, Nk, d), lse (B, Nq); all float32 -> dq (B, Nq, d), dk, dv (B, Nk, d).
+    All float64 works too, with the block run eagerly (the compiled block stays float32-only, within its
+    recompile budget)."""
     n_queries, d = q.shape[1], q.shape[2]
     n_keys = k.shape[1]
     scale = 1.0 / math.sqrt(d)
-    block = _compiled_backward_block()
+    block = _flash_backward_block if q.dtype == torch.float64 else _compiled_backward_block()
     q = q * scale
     delta = (o * do).sum(dim=-1)  # D = rowsum(O ∘ dO), (B, Nq)
     dq = torch.zeros_like(q)
@@ -202,36 +213,45 @@ class FlashAttentionPytorch(torch.autograd.Function):
     """FlashAttention-2 with tiled PyTorch forward and `torch.compile`d recomputing backward.
 
     `FlashAttentionPytorch.apply(q, k, v, is_causal=False)`; saves exactly (q, k, v, o, L) for backward,
-    with L (q.shape[:-1], float32) the logsumexp of the scaled scores per query row.
+    with L (q.shape[:-1], float32; float64 for float64 inputs) the logsumexp of the scaled scores per query row.
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
         check_qkv(q, k, v)
+        check_is_causal(is_causal)
         batch = math.prod(q.shape[:-2])
-        # float32 throughout, under autocast too: the backward recomputes P in float32 from L, so a forward
+        compute = _compute_dtype(q.dtype)
+        # float32 (float64) throughout, under autocast too: the backward recomputes P from L, so a forward
         # whose score matmuls autocast ran in bf16 would hand it an L that does not match its own scores
         with nvtx_range("flash-pytorch forward"), _no_autocast(q.device.type):
-            o, lse = _flash_forward(_flatten(q, batch), _flatten(k, batch), _flatten(v, batch), bool(is_causal))
+            o, lse = _flash_forward(_flatten(q, batch, compute), _flatten(k, batch, compute),
+                                    _flatten(v, batch, compute), is_causal)
         o = o.reshape(q.shape).to(q.dtype)
         lse = lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = bool(is_causal)
+        ctx.is_causal = is_causal
         return o
 
     @staticmethod
-    @once_differentiable  # the backward is not itself differentiable (no double backward)
     def backward(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, o, lse = ctx.saved_tensors
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, do)):
+            # create_graph=True: the recomputed gradients below carry no graph, so a second derivative
+            # through attention would silently lose its terms
+            raise RuntimeError(
+                "flash-pytorch does not support double backward: its backward ran with create_graph=True and "
+                "its gradients would not be differentiable; use the 'naive' attention for higher-order gradients")
         batch = math.prod(q.shape[:-2])
+        compute = _compute_dtype(q.dtype)
         with nvtx_range("flash-pytorch backward"), _no_autocast(q.device.type):
             dq, dk, dv = _flash_backward(
-                _flatten(q, batch),
-                _flatten(k, batch),
-                _flatten(v, batch),
-                _flatten(o, batch),
+                _flatten(q, batch, compute),
+                _flatten(k, batch, compute),
+                _flatten(v, batch, compute),
+                _flatten(o, batch, compute),
                 lse.reshape(batch, q.shape[-2]),
-                _flatten(do, batch),
+                _flatten(do, batch, compute),
                 ctx.is_causal,
             )
         return (

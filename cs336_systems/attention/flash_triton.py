@@ -24,7 +24,10 @@ Double backward (``create_graph=True`` through this op) raises a RuntimeError in
 torch.compile, AOTAutograd rejects double backward itself): the kernels' gradients carry no graph.
 
 On a CPU tensor the kernels only run under Triton's interpreter (TRITON_INTERPRET=1 set before this
-module is imported); otherwise a ValueError says so.  float32 inputs multiply with tf32x3 dots (three
+module is imported); otherwise a ValueError says so.  The interpreter's bf16 ``tl.dot`` is wrong (errors of
+~1e8), so bfloat16 inputs under the interpreter are refused with a ValueError; float32 and float16 run there.
+Empty problems: no queries or an empty batch give an empty output (and zero gradients for K and V); queries
+with no keys (Nk = 0) are refused; ``is_causal`` must be a bool.  float32 inputs multiply with tf32x3 dots (three
 TF32 tensor-core products per fp32 product, near-fp32 accuracy, as PyTorch's fp32 mem-efficient SDPA does),
 or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`flash_configs.fp32_dot`); never plain TF32.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from cs336_systems.attention.kernels import flash_kernels
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
@@ -40,6 +44,10 @@ from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
 from cs336_systems.attention.kernels.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Whether the @triton.jit kernels were built for Triton's interpreter: decided once, when flash_kernels was
+# imported (TRITON_INTERPRET=1 at that moment), whatever the environment says later.
+KERNELS_INTERPRETED = type(flash_kernels.flash_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def available(device: torch.device) -> bool:
@@ -106,20 +114,34 @@ def _eager(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: object) -> bool:
+    """ValueError naming what flash-triton cannot take; returns True for an empty problem (no queries or an
+    empty batch: nothing to launch).  Plain Python on shapes, dtypes and devices: no device work."""
     check_qkv(q, k, v)
+    if is_causal is not True and is_causal is not False:
+        raise ValueError(f"is_causal must be a bool (True or False), got {is_causal!r} ({type(is_causal).__name__})")
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"flash-triton supports head dims {SUPPORTED_HEAD_DIMS}; got d={d} (q shape {tuple(q.shape)})")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {q.dtype}")
-    if not available(q.device):
+    dtype = q.dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")
+    on_cuda = q.is_cuda  # a CUDA tensor exists only where CUDA is available
+    if not on_cuda and not (q.device.type == "cpu" and interpreter_active()):
         raise ValueError(
             f"flash-triton needs CUDA tensors (q is on {q.device}); on CPU it runs only under the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing cs336_systems.attention.flash_triton"
         )
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError(f"flash-triton needs Nq >= 1 and Nk >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if dtype is torch.bfloat16 and (KERNELS_INTERPRETED or not on_cuda):
+        raise ValueError(
+            f"flash-triton cannot compute dtype {dtype} under Triton's interpreter (TRITON_INTERPRET=1): the "
+            "interpreter's bf16 tl.dot returns wrong results; use float32 or float16 there, or a CUDA device "
+            "without the interpreter")
+    if not q.numel():
+        return True
+    if not k.shape[-2]:
+        raise ValueError(f"flash-triton needs Nk >= 1 when there are queries; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return False
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -131,21 +153,27 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
 class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
-        _validate(q, k, v)
+        ctx.empty = empty = _validate(q, k, v, is_causal)
+        ctx.is_causal = is_causal
+        if empty:  # no queries or an empty batch: an empty output, no launch
+            o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
         q3, k3, v3 = _as_3d(q), _as_3d(k), _as_3d(v)
         if _eager(q):
-            o, lse = _forward(q3, k3, v3, bool(is_causal), may_tune=True)
+            o, lse = _forward(q3, k3, v3, is_causal, may_tune=True)
         else:
-            o, lse = torch.ops.cs336.flash_attn_fwd(q3, k3, v3, bool(is_causal))
+            o, lse = torch.ops.cs336.flash_attn_fwd(q3, k3, v3, is_causal)
         o = o.view(q.shape)
         lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = bool(is_causal)
         return o
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
+        if ctx.empty:  # no query saw any key: dQ is empty, dK and dV are zero
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
         args = (_as_3d(q), _as_3d(k), _as_3d(v), _as_3d(o), lse.reshape(-1, q.shape[-2]), _as_3d(grad_out),
                 ctx.is_causal)
         if _eager(grad_out):

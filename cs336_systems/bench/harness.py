@@ -12,8 +12,10 @@ Every measurement in this package goes through here, so the rules hold everywher
 * work that must happen before each round but is not what is measured (the forward pass before a timed
   backward, an L2 cache flush) runs in a per-round hook *outside* the timed interval: the hook runs,
   then the clock's sync drains its queued device work, and only then is the start time read;
-* CUDA out-of-memory (while building the workload, in a per-round hook, warming up or measuring)
-  becomes a `Measurement` with ``status="oom"`` and the memory is released so the next case can run.
+* out-of-memory (while building the workload, in a per-round hook, warming up or measuring) becomes a
+  `Measurement` with ``status="oom"`` and the memory is released so the next case can run.  What counts
+  as an OOM is `is_out_of_memory`: torch's OutOfMemoryError, or the allocators' exact messages
+  (`OOM_MESSAGES`), never any error that happens to contain "out of memory".
 
 Three ways to read a round's time (``timing``):
   "host"    (default) the synchronizing clock: the device is idle when a round starts and drained when it
@@ -162,14 +164,29 @@ class _OutOfMemory(Exception):
     """Internal: carries the message of an OOM out of the frames that held the tensors."""
 
 
-_OOM_PATTERNS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# The exact texts of allocation failures that reach Python as a plain RuntimeError (or as text only, e.g. a
+# worker's traceback relayed by a SpawnError), never a bare "out of memory" that any message may contain
+# ("index out of memory region"):
+OOM_MESSAGES = (
+    "CUDA out of memory",  # the CUDA caching allocator (torch.OutOfMemoryError, or its text in a traceback)
+    "CUDA error: out of memory",  # cudaErrorMemoryAllocation from a CUDA runtime call (C10_CUDA_CHECK)
+    "DefaultCPUAllocator: can't allocate memory",  # the CPU allocator ("... Error code 12 (Cannot allocate memory)")
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not allocate its workspace / handle
+    "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN likewise
+    "OutOfMemoryError: ",  # "torch.OutOfMemoryError: <message>" as a relayed traceback prints it
+)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for torch's OutOfMemoryError and the allocation failures cuBLAS/cuDNN report as RuntimeError."""
+    """True for torch's OutOfMemoryError (``torch.cuda.OutOfMemoryError`` is the same class) and for a
+    RuntimeError whose text holds one of the allocators' own messages (`OOM_MESSAGES`); a RuntimeError
+    that merely contains the words "out of memory" is not an OOM."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _OOM_PATTERNS)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(message in text for message in OOM_MESSAGES)
 
 
 def free_memory(device: torch.device | str | None) -> None:

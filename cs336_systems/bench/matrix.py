@@ -22,6 +22,18 @@ dimension).  A profile's cases are the union of its grids' products, duplicates 
 file order.  Every suite declares its schema in SUITE_SCHEMAS: an unknown suite, profile, key or a bad
 value raises `MatrixError` naming where it is (``suites.end_to_end.profiles.gpu[1].sizes[2]``).
 
+Rules checked at load time, so that nothing that loads can fail later inside a case or a rank:
+
+* values have the type and range their workload needs (``sizes_mb``: finite, a whole number of float32
+  elements, at least one; bucket sizes finite and positive; no bucket size on a variant without buckets;
+  no fp16 on a sharded data-parallel variant; no graph timing of mode backward);
+* a case's identity is its test id (`case_id`): two grids of one profile whose cases share an id but
+  differ in a field the id leaves out (``rounds``, ``inner_iters``) are an error naming both grids, since
+  pytest would rename them ``..._0`` / ``..._1`` and saved runs would no longer pair up.  Cases equal in
+  every field except ``group`` are one case (listed by two groups), not a conflict;
+* a gate names only case fields of its suite, with values its suite's grids contain (a typo would
+  otherwise select nothing), and a finite positive ``max_ratio``.
+
 A person changes what is measured by editing the JSON; no code changes.
 """
 
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,8 +177,23 @@ _ATTENTION_GRID = {
 }
 
 def _positive_number(value: object, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+    """A finite number > 0 (JSON's Infinity and NaN load as floats; neither is a size)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
         raise MatrixError(f"{where}: expected a positive number, got {value!r}")
+    return value
+
+
+MiB = 2**20
+
+
+def _float32_mib(value: object, where: str) -> float:
+    """A tensor size in MiB that `allreduce_case` can build: ``int(value * 2**20)`` bytes, a positive multiple
+    of 4 (whole float32 elements, at least one)."""
+    _positive_number(value, where)
+    nbytes = int(value * MiB)
+    if nbytes < 4 or nbytes % 4:
+        raise MatrixError(f"{where}: {value!r} MiB is {value * MiB:.10g} bytes; the all-reduce needs a positive whole "
+                          "number of float32 elements (a multiple of 4 bytes, at least 4)")
     return value
 
 
@@ -178,7 +206,7 @@ def _data_parallel_variants() -> tuple[str, ...]:
 # world_size ranks (spawned locally, or the torchrun job's ranks), inner_iters back-to-back per round.
 _ALLREDUCE_GRID = {
     "backends": Key(_one_of(("gloo", "nccl")), axis=True),
-    "sizes_mb": Key(_positive_number, axis=True),
+    "sizes_mb": Key(_float32_mib, axis=True),
     "world_sizes": Key(_positive_int, axis=True),
     "inner_iters": Key(_positive_int, axis=False, required=False, default=1),
     "warmup": Key(_non_negative_int, axis=False),
@@ -239,6 +267,41 @@ _SINGULAR = {
 }
 
 
+# Case field -> how it appears in a test id, in id order.  A case shows only the fields it has, so LM
+# ids (small-ctx128-b4-forward-bf16-eager-sdpa-w5) and attention ids
+# (naive-b8-n1024-d64-backward-fp32-full-eager-w5) share one table.  Fields left out (rounds, inner_iters,
+# group) say how long or in which run a case is measured, not which case it is.
+_ID_FORMAT = (
+    ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
+    ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
+    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"),
+    ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
+    ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
+)
+
+
+def case_id(case: dict) -> str:
+    """A case's readable, stable test id and its identity: values joined in a fixed order
+    (e.g. small-ctx128-b4-forward-bf16-eager).  Saved runs pair cases by it."""
+    parts = []
+    for key, fmt in _ID_FORMAT:
+        if key not in case or case[key] is None:  # heads=None: no heads dimension
+            continue
+        if key == "compile":
+            parts.append("compiled" if case[key] else "eager")
+        elif key == "causal":
+            parts.append("causal" if case[key] else "full")
+        elif key == "flush_l2":
+            if case[key]:
+                parts.append("l2flush")
+        elif key == "timing":
+            if case[key] != "host":  # the default keeps the ids saved before timings existed
+                parts.append(f"{case[key]}time")
+        else:
+            parts.append(fmt.format(case[key]))
+    return "-".join(parts)
+
+
 def _check_keys(obj: object, where: str, allowed: set[str], required: set[str]) -> dict:
     if not isinstance(obj, dict):
         raise MatrixError(f"{where}: expected an object, got {type(obj).__name__}")
@@ -263,12 +326,43 @@ def _validate_grid(grid: object, schema: dict[str, Key], where: str) -> dict:
             out[name] = [key.check(v, f"{where}.{name}[{i}]") for i, v in enumerate(value)]
         else:
             out[name] = key.check(value, f"{where}.{name}")
-    if "graph" in out.get("timings", ()) and "backward" in out.get("modes", ()):
+    for rule in _GRID_RULES:
+        rule(out, where)
+    return out
+
+
+# --- combinations a workload refuses: checked per grid, so the case fails at load time, not in a rank -------
+
+# `DistributedTrainStep` (bench/workloads/data_parallel.py) takes a bucket size only for these variants, and
+# refuses fp16 (GradScaler, whose skip decision would differ between ranks) for the sharded ones.
+BUCKETED_VARIANTS = ("bucketed", "zero-broadcast")
+NO_FP16_VARIANTS = ("zero-broadcast", "zero1", "fsdp", "torch-zero", "torch-fsdp2")
+
+
+def _graph_needs_no_untimed_forward(grid: dict, where: str) -> None:
+    if "graph" in grid.get("timings", ()) and "backward" in grid.get("modes", ()):
         # a graph replays one captured step: the untimed forward before a timed backward cannot run between
         # replays (cs336_systems.bench.harness, timing="graph"); the case could never run
         raise MatrixError(f"{where}: timings 'graph' cannot time mode 'backward' (its forward runs untimed "
                           "before every round); use modes forward / forward-backward, or timings device")
-    return out
+
+
+def _bucket_sizes_only_on_bucketed_variants(grid: dict, where: str) -> None:
+    sizes = [s for s in grid.get("bucket_sizes_mb", ()) if s is not None]
+    other = [v for v in grid.get("variants", ()) if v not in BUCKETED_VARIANTS]
+    if sizes and other:
+        raise MatrixError(f"{where}: bucket_sizes_mb {sizes} apply only to variants {', '.join(BUCKETED_VARIANTS)}, "
+                          f"but the grid also crosses them with {other}; put those variants in a grid of their own")
+
+
+def _no_fp16_on_sharded_variants(grid: dict, where: str) -> None:
+    sharded = [v for v in grid.get("variants", ()) if v in NO_FP16_VARIANTS]
+    if sharded and "fp16" in grid.get("precisions", ()):
+        raise MatrixError(f"{where}: precision 'fp16' (GradScaler) is not supported with variants {sharded}: "
+                          "ranks would skip different steps; use bf16 or fp32")
+
+
+_GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants)
 
 
 def case_fields(suite: str) -> set[str]:
@@ -276,16 +370,49 @@ def case_fields(suite: str) -> set[str]:
     return {_SINGULAR.get(name, name) if key.axis else name for name, key in SUITE_SCHEMAS[suite].items()}
 
 
-def _validate_gate(gate: object, where: str) -> dict:
-    """A ratio gate (`cs336_systems.reporting.gates`): numerator cases over their denominator twins <= max_ratio."""
+def _schema_key(suite: str, field: str) -> Key:
+    """The schema key of ``suite`` that produces case field ``field``."""
+    for name, key in SUITE_SCHEMAS[suite].items():
+        if (_SINGULAR.get(name, name) if key.axis else name) == field:
+            return key
+    raise KeyError(field)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal as case values: 100 and 100.0 are, True and 1 are not."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def _grid_values(grids: list[dict], suite: str, field: str) -> list:
+    """The values ``field`` takes in ``grids`` (validated, defaults filled in), in file order."""
+    values: list = []
+    for grid in grids:
+        for name, value in grid.items():
+            key = SUITE_SCHEMAS[suite][name]
+            if (_SINGULAR.get(name, name) if key.axis else name) != field:
+                continue
+            for v in value if key.axis else [value]:
+                if not any(_same(v, seen) for seen in values):
+                    values.append(v)
+    return values
+
+
+def _validate_gate(gate: object, where: str, suites: dict[str, dict[str, list[dict]]]) -> dict:
+    """A ratio gate (`cs336_systems.reporting.gates`): numerator cases over their denominator twins <= max_ratio.
+
+    Every field a gate names must be a case field of its suite, and every value must pass that field's
+    check and occur in the suite's grids (in any profile): a typo (``"variant": "buckted"``, ``"0.05"`` for
+    a number) would otherwise match no case and disable the gate.  ``max_ratio`` must be finite and > 0.
+    """
     gate = _check_keys(
         gate, where,
         {"name", "suite", "where", "numerator", "denominator", "max_ratio", "statistic"},
         {"name", "suite", "numerator", "denominator", "max_ratio"},
     )
-    _string(gate["name"], f"{where}.name")
-    _one_of(tuple(SUITE_SCHEMAS))(gate["suite"], f"{where}.suite")
-    fields = case_fields(gate["suite"])
+    name = _string(gate["name"], f"{where}.name")
+    suite = _one_of(tuple(SUITE_SCHEMAS))(gate["suite"], f"{where}.suite")
+    fields = case_fields(suite)
+    grids = [g for profile in suites.get(suite, {}).values() for g in profile]
     for side in ("where", "numerator", "denominator"):
         if side == "where" and side not in gate:
             continue
@@ -296,9 +423,20 @@ def _validate_gate(gate: object, where: str) -> dict:
             raise MatrixError(
                 f"{where}.{side}: unknown case field {unknown[0]!r}; valid: {', '.join(sorted(fields))}"
             )
+        for field, value in gate[side].items():
+            path = f"{where}.{side}.{field}"
+            try:
+                _schema_key(suite, field).check(value, path)
+            except MatrixError as exc:
+                raise MatrixError(f"{exc} (gate {name!r})") from None
+            present = _grid_values(grids, suite, field)
+            if not any(_same(value, v) for v in present):
+                listed = ", ".join(json.dumps(v) for v in present) or "none"
+                raise MatrixError(f"{path}: value {json.dumps(value)} occurs in no grid of suite {suite!r} "
+                                  f"(values there: {listed}); the gate would match no case (gate {name!r})")
     ratio = gate["max_ratio"]
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
-        raise MatrixError(f"{where}.max_ratio: expected a positive number, got {ratio!r}")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < math.inf:
+        raise MatrixError(f"{where}.max_ratio: expected a finite positive number, got {ratio!r} (gate {name!r})")
     _one_of(("median", "mean", "min"))(gate.get("statistic", "median"), f"{where}.statistic")
     return gate
 
@@ -326,13 +464,50 @@ class Matrix:
         for grid in self.suites[suite].get(profile, []):
             if groups is not None and grid.get("group") not in groups:
                 continue
-            axes = [name for name in grid if isinstance(grid[name], list)]
-            scalars = {name: value for name, value in grid.items() if not isinstance(value, list)}
-            for values in itertools.product(*(grid[name] for name in axes)):
-                case = {**{_SINGULAR[n]: v for n, v in zip(axes, values)}, **scalars}
-                identity = tuple(sorted((k, v) for k, v in case.items() if k != "group"))
-                seen.setdefault(identity, case)
+            for case in _expand(grid):
+                seen.setdefault(_identity(case), case)
         return list(seen.values())
+
+    def groups(self, profile: str) -> list[str]:
+        """The groups of a profile's grids, in file order."""
+        found: list[str] = []
+        for profiles in self.suites.values():
+            for grid in profiles.get(profile, []):
+                if grid["group"] not in found:
+                    found.append(grid["group"])
+        return found
+
+
+def _expand(grid: dict):
+    """The cases of one validated grid: the product of its axes, singular field names, settings as they are."""
+    axes = [name for name in grid if isinstance(grid[name], list)]
+    scalars = {name: value for name, value in grid.items() if not isinstance(value, list)}
+    for values in itertools.product(*(grid[name] for name in axes)):
+        yield {**{_SINGULAR[n]: v for n, v in zip(axes, values)}, **scalars}
+
+
+def _identity(case: dict) -> tuple:
+    """What makes two expanded cases the same case: every field but the group that lists it."""
+    return tuple(sorted((k, v) for k, v in case.items() if k != "group"))
+
+
+def _check_unique_ids(grids: list[dict], where: str) -> None:
+    """Two cases of one profile with one test id must be one case (see the module docstring)."""
+    first: dict[str, tuple[int, dict]] = {}
+    for index, grid in enumerate(grids):
+        for case in _expand(grid):
+            cid = case_id(case)
+            if cid not in first:
+                first[cid] = (index, case)
+                continue
+            other_index, other = first[cid]
+            if _identity(other) != _identity(case):
+                differ = sorted(k for k in case if k != "group" and other.get(k) != case.get(k))
+                shown = ", ".join(f"{k}: {other.get(k)!r} vs {case.get(k)!r}" for k in differ)
+                raise MatrixError(
+                    f"{where}[{other_index}] and {where}[{index}] both give case {cid!r}, differing only in "
+                    f"{shown}, which the case id leaves out; pytest would rename them ..._0 / ..._1 and saved "
+                    "runs would no longer pair up. Give the case one setting, in one grid")
 
 
 def parse(data: object) -> Matrix:
@@ -356,10 +531,11 @@ def parse(data: object) -> Matrix:
             suites[suite][profile] = [
                 _validate_grid(g, SUITE_SCHEMAS[suite], f"{pwhere}[{i}]") for i, g in enumerate(grids)
             ]
+            _check_unique_ids(suites[suite][profile], pwhere)
     gates = data.get("gates", [])
     if not isinstance(gates, list):
         raise MatrixError("gates: expected a list")
-    return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]") for i, g in enumerate(gates)])
+    return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]", suites) for i, g in enumerate(gates)])
 
 
 def load(path: str | Path = DEFAULT_PATH) -> Matrix:

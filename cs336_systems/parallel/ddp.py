@@ -15,7 +15,7 @@ All four share one interface (docs/distributed.md):
 | DDPIndividualParameters | 1 per trainable tensor + 1 (flags) | async from backward hooks (overlapped)  |
 | DDPBucketed             | 1 per bucket                       | async from backward hooks (overlapped)  |
 
-Semantics common to all (checked against single-process training and torch DDP in tests/test_ddp.py):
+Semantics common to all (checked against single-process training and torch DDP in tests/parallel/test_ddp.py):
 
 * Gradients are averaged.  On NCCL the all-reduce averages (ReduceOp.AVG): the division happens inside
   the reduction, not as a separate pass over every gradient after the last all-reduce, where it would
@@ -34,7 +34,16 @@ Semantics common to all (checked against single-process training and torch DDP i
   it *before* the synchronized one: the hook-based wrappers have launched a synchronized backward's
   buckets (and dropped those gradients, or are reducing them in place) by the time it ends, so a
   no_sync() forward or backward between it and its finish raises instead of having its gradients
-  overwritten (NaiveDDP and FlatDDP, which communicate only in finish, average g1 + g2 in that order too).
+  overwritten (NaiveDDP and FlatDDP, which communicate only in finish, raise at such a forward too).
+* A skipped finish is detected.  After a synchronized backward, the next forward pass raises RuntimeError
+  naming finish_gradient_synchronization() until finish has run: an ``optimizer.step()`` in between used
+  un-averaged gradients, and the replicas would drift apart silently.  The hook-based wrappers know from
+  their gradient hooks; NaiveDDP and FlatDDP put one hook on the tensors their forward returns, which
+  fires when backward reaches them.  Only a forward that cannot make gradients inside no_sync() (under
+  ``torch.no_grad()``) is allowed in between.
+* Every rank must hold the same model: construction compares the parameters' and buffers' names, shapes,
+  dtypes and ``requires_grad`` across ranks (one all-gather of a digest) and raises ValueError on every
+  rank, naming the ranks that differ, instead of hanging in (or corrupting) the first broadcast.
 * Gradient storage (FlatDDP and DDPBucketed; NaiveDDP and DDPIndividualParameters average each
   ``p.grad`` in place, a non-contiguous one through a dense copy, and DDPIndividualParameters does so
   from the moment its hook fires, copying first a gradient whose memory another tensor references: its
@@ -95,7 +104,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.parallel.launch import require_process_group
+from cs336_systems.parallel.launch import check_same_across_ranks, module_signature, require_process_group
 
 __all__ = ["SyncStats", "NaiveDDP", "FlatDDP", "DDPIndividualParameters", "DDPBucketed", "plan_buckets"]
 
@@ -254,6 +263,17 @@ def _average_into_grads(packed: list[tuple[_Layout, torch.Tensor, list[torch.Ten
                 p.grad = torch.empty_like(p, requires_grad=False).copy_(p.grad)
 
 
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a forward's output (a tensor, or tensors in tuples, lists and dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _output_tensors(item)]
+    if isinstance(out, dict):
+        return [t for item in out.values() for t in _output_tensors(item)]
+    return []
+
+
 def _check_module(module: object, who: str) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -268,6 +288,8 @@ class _DDPBase(nn.Module):
         who = type(self).__name__
         _check_module(module, who)
         require_process_group(who)
+        # Before any per-tensor collective: a different model on some rank would hang or corrupt them.
+        check_same_across_ranks(who, module_signature(module))
         self.module = module
         self.world_size = dist.get_world_size()
         self.averages_in_collective = dist.get_backend() == "nccl"  # ReduceOp.AVG; see the module docstring
@@ -284,6 +306,9 @@ class _DDPBase(nn.Module):
         names = {id(p): n for n, p in module.named_parameters()}
         self._name_of = {id(p): names[id(p)] for p in self._params}
         self._require_sync = True
+        # NaiveDDP / FlatDDP: a synchronized backward ran through this wrapper's output since the last finish
+        # (set by a hook on the output, see _watch_backward); the hook-based wrappers track their gradients.
+        self._unfinished_backward = False
         self._launched = 0  # all-reduces issued since construction
         self._launched_at_last_finish = 0
         self._bytes = 0  # bytes all-reduced since construction
@@ -298,7 +323,38 @@ class _DDPBase(nn.Module):
             dist.broadcast(tensor.detach(), src=0)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        """``module(*args, **kwargs)``.  Raises if the last synchronized backward was not finished: its
+        gradients are not averaged yet, so an optimizer step on them would let the replicas drift apart."""
+        # Inside no_sync() too (its gradients would join the unfinished ones), unless it cannot make gradients.
+        # The same rule as the hook-based wrappers' forward.
+        if self._unfinished_backward and (self._require_sync or torch.is_grad_enabled()):
+            raise RuntimeError(self._pending_message("a forward pass"))
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._watch_backward(out)
+        return out
+
+    def _watch_backward(self, out) -> None:
+        """Mark a backward through ``out`` (one hook per output tensor, fired when its gradient is computed)
+        as unfinished until finish_gradient_synchronization(); held weakly, like the gradient hooks."""
+        owner = weakref.ref(self)
+
+        def mark(grad: torch.Tensor) -> None:
+            wrapper = owner()
+            if wrapper is not None and wrapper._require_sync:
+                wrapper._unfinished_backward = True
+
+        for t in _output_tensors(out):
+            if t.requires_grad:
+                t.register_hook(mark)
+
+    def _pending_message(self, what: str) -> str:
+        return (
+            f"{type(self).__name__}: {what} while a synchronized backward pass's gradients have not been "
+            "finished; call finish_gradient_synchronization() after that backward and before "
+            "optimizer.step() (gradient-accumulation micro-steps go inside no_sync() before the synchronized "
+            "one, not after it)"
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -335,6 +391,7 @@ class _DDPBase(nn.Module):
         start = time.perf_counter()
         if self._require_sync:
             self._finish()
+            self._unfinished_backward = False
         if events is not None:
             events[1].record(torch.cuda.current_stream(device))
         elapsed = time.perf_counter() - start
@@ -480,13 +537,6 @@ class _HookedBucketDDP(_DDPBase):
         buf, views, complete = layout.pack_and_release()
         self._in_flight.append((layout, buf, views, complete, self._all_reduce(buf, async_op=True)))
         self._next = b + 1
-
-    def _pending_message(self, what: str) -> str:
-        return (
-            f"{type(self).__name__}: {what} while a synchronized backward pass's gradients have not been "
-            "finished; call finish_gradient_synchronization() after that backward (gradient-accumulation "
-            "micro-steps go inside no_sync() before the synchronized one, not after it)"
-        )
 
     def forward(self, *args, **kwargs):
         # Inside no_sync() too (its gradients could not be communicated), unless it cannot make gradients.

@@ -76,7 +76,10 @@ their gradients only this way: ``torch.autograd.grad`` w.r.t. a shard returns no
 (``create_graph=True``) is not supported.
 
 Initial values: rank 0's parameters are broadcast at construction (as DDP does), so ranks may start from
-different initialisations.  After wrapping, ``module``'s sharded weights are 1-D shards: code that reads their
+different initialisations.  The models themselves must match: construction first compares the parameters'
+and buffers' names, shapes, dtypes and ``requires_grad`` across ranks and raises ValueError on every rank,
+naming the ranks that differ (a different model would hang the broadcast or be sharded differently).
+After wrapping, ``module``'s sharded weights are 1-D shards: code that reads their
 shapes (``reset_parameters``) or ``state_dict()`` (local shards) sees them as such; ``gather_full_params()``
 gives the full tensors.
 """
@@ -93,7 +96,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from cs336_systems.parallel.launch import require_process_group
+from cs336_systems.parallel.launch import check_same_across_ranks, module_signature, require_process_group
 
 __all__ = ["FSDP", "default_shard_predicate"]
 
@@ -217,6 +220,8 @@ class FSDP(nn.Module):
         self._reduce_scatter_fallback = _reduce_scatter_flat is None
         self._gather_dtype = compute_dtype or torch.float32
 
+        # Before any collective: a different model on some rank would hang them or shard it differently.
+        check_same_across_ranks("FSDP", module_signature(module))
         with torch.no_grad():
             for p in module.parameters():  # rank 0's initial values win, as in DDP
                 dist.broadcast(p.data, src=0)

@@ -11,14 +11,25 @@ Two entry points:
   OMP_NUM_THREADS=1, always destroys its process group, and sends back its return value or its traceback;
   a worker that fails or a job that outlives ``timeout_s`` raises `SpawnError` in the parent after every
   worker has been killed.  Return values may hold tensors (they travel as `torch.save` bytes).  A hung test is a failed test, never a hung CI.
+
+Helpers for collective code:
+
+* `check_same_across_ranks(who, signature)` (with `module_signature` / `tensor_signature`): raise on every
+  rank when the ranks hold different models (names, shapes, dtypes, ``requires_grad``), naming the ranks
+  that differ; the DDP wrappers, FSDP and ShardedOptimizer call it at construction.
+* `side_group`, `tear_down_default_group`, `GroupSpec`: what `cs336_systems.bench.rank_timing` uses to end
+  a case on every rank within seconds when one rank fails (agree on a private gloo group, release the
+  peers blocked on the failed rank, make the default group again).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import io
 import os
 import queue as queue_module
+import socket
 import tempfile
 import time
 import traceback
@@ -79,6 +90,218 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistC
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+# --- the same model on every rank --------------------------------------------------------------------
+
+def tensor_signature(name: str, tensor: torch.Tensor) -> str:
+    """What must match across ranks for a tensor that a wrapper communicates: name, shape, dtype, and
+    whether it is trained (a parameter's ``requires_grad`` decides whether its gradient is reduced)."""
+    trained = " trainable" if tensor.requires_grad else ""
+    return f"{name} {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}{trained}"
+
+
+def module_signature(module: torch.nn.Module) -> list[str]:
+    """`tensor_signature` of every parameter, then every buffer, in registration order (each once)."""
+    return ([tensor_signature(n, p) for n, p in module.named_parameters()]
+            + [tensor_signature(f"buffer {n}", b) for n, b in module.named_buffers()])
+
+
+def check_same_across_ranks(who: str, signature: list[str], what: str = "models",
+                            unit: str = "parameters and buffers") -> None:
+    """Collective: raise ValueError on every rank when ``signature`` (e.g. `module_signature`) is not the
+    same on all ranks, naming the ranks that differ from rank 0 and their first difference.
+
+    Wrappers that broadcast or reduce tensor by tensor would otherwise hang (a different count), die inside
+    the backend (different sizes) or train on reshaped data (equal sizes, different shapes).  Costs one
+    all-gather of two integers per rank, and an object all-gather only when something differs.
+    ``what`` and ``unit`` name the things compared in the message ("models"; "parameters and buffers").
+    """
+    require_process_group(who)
+    digest = hashlib.sha256("\n".join(signature).encode()).digest()
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    mine = torch.tensor([len(signature), int.from_bytes(digest[:8], "little", signed=True)],
+                        dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = [t.tolist() for t in every]
+    if all(row == rows[0] for row in rows):
+        return
+    signatures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(signatures, list(signature))
+    differing = [r for r, row in enumerate(rows) if row != rows[0]]
+    details = [_first_difference(signatures[0], signatures[r], r, unit) for r in differing[:3]]
+    ranks = ", ".join(map(str, differing))
+    raise ValueError(f"{who}: ranks hold different {what}: rank(s) {ranks} differ from rank 0: "
+                     + "; ".join(details))
+
+
+def _first_difference(reference: list[str], other: list[str], rank: int, unit: str) -> str:
+    parts = []
+    if len(reference) != len(other):
+        parts.append(f"rank {rank} has {len(other)} {unit}, rank 0 has {len(reference)}")
+    i = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
+    if i is not None:
+        parts.append(f"first difference #{i}: rank 0 has {reference[i]!r}, rank {rank} has {other[i]!r}")
+    return ", ".join(parts) or f"rank {rank}: a different digest of the same entries"  # unreachable (sha256)
+
+
+# --- recovering from a failed rank -------------------------------------------------------------------
+#
+# A rank that fails while its peers wait for it in a collective cannot tell them: they stay blocked until
+# the group's timeout.  The helpers below let a caller (cs336_systems.bench.rank_timing) end such a state
+# within seconds: a *side group* (a private gloo group over the default group's store, independent of the
+# default group) to agree on the outcome, `tear_down_default_group()` to release the peers blocked on this
+# rank, and `GroupSpec.reinit()` to make the default group again afterwards, on every rank.
+
+def default_group_timeout(fallback_s: float = 600.0) -> datetime.timedelta:
+    """The collective timeout the default process group was created with."""
+    require_process_group("default_group_timeout")
+    pg = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    try:
+        timeout = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=fallback_s)
+
+
+_SIDE_GROUP_SOCKETS: set[int] = set()  # file descriptors of side groups' connections: never shut down
+_RANK_ADDRESSES: set[str] = set()  # the other ranks' addresses, as side groups connected to them
+
+
+def _socket_fds() -> set[int]:
+    """This process's open socket file descriptors (Linux: /proc/self/fd; elsewhere none are known)."""
+    fds = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except (OSError, ValueError):
+            pass
+    return fds
+
+
+def _store_ports(store: Any) -> set[int]:
+    """The TCP ports of the store chain (a TCPStore under PrefixStores), whose connections must stay up."""
+    ports = {int(os.environ["MASTER_PORT"])} if os.environ.get("MASTER_PORT", "").isdigit() else set()
+    seen = 0
+    while store is not None and seen < 32:
+        port = getattr(store, "port", None)
+        if isinstance(port, int):
+            ports.add(port)
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return ports
+
+
+def _tcp_connections(fds: set[int]):
+    """(fd, socket duplicate, local (address, port), peer (address, port)) of the connected TCP sockets
+    among ``fds``; each duplicate is closed once the caller moves on to the next."""
+    for fd in sorted(fds):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                yield fd, sock, sock.getsockname()[:2], sock.getpeername()[:2]  # raises if not connected
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _shut_down_connections(keep_ports: set[int]) -> int:
+    """Shut down (not close: their owners keep valid descriptors) this process's TCP connections to the
+    other ranks (the addresses side groups connected to), except the side groups' own and those to or from
+    ``keep_ports`` (the store).  -> how many were shut down."""
+    count = 0
+    for _, sock, local, peer in _tcp_connections(_socket_fds() - _SIDE_GROUP_SOCKETS):
+        if peer[0] not in _RANK_ADDRESSES or local[1] in keep_ports or peer[1] in keep_ports:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+    return count
+
+
+def side_group(tag: str, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A private gloo group of all ranks over the default group's store, for host-side agreement.
+
+    Collective: every rank calls it with the same ``tag`` (which must be new for this store).  The group is
+    not registered with torch.distributed: use its methods (``allreduce([t]).wait()``) directly.  It has
+    its own connections, so collectives on it never match the default group's (a rank that failed can
+    agree with peers whatever those were doing), and it keeps working after `tear_down_default_group()`.
+    ``timeout`` defaults to the default group's.
+    """
+    require_process_group("side_group")
+    store = dist.PrefixStore(f"cs336-side-group/{tag}/", dist.distributed_c10d._get_default_store())
+    before = _socket_fds()
+    group = dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(),
+                                  timeout if timeout is not None else default_group_timeout())
+    made = _socket_fds() - before
+    _SIDE_GROUP_SOCKETS.update(made)
+    _RANK_ADDRESSES.update(peer[0] for _, _, _, peer in _tcp_connections(made))
+    return group
+
+
+def tear_down_default_group() -> None:
+    """End this rank's membership of the default process group (and its subgroups) so that peers blocked
+    in a collective with this rank fail at once instead of at the timeout.  No-op without a group.
+
+    NCCL: the communicators are aborted (``ncclCommAbort``, which never blocks on work in flight).  gloo:
+    gloo cannot abort, and destroying the group closes its connections only once nothing references it,
+    which cannot be relied on (torch modules imported after the group was made keep ``dist.group.WORLD``
+    as a default argument).  So this rank's TCP connections are shut down first: a peer waiting on one
+    raises "Connection closed by peer" at once.  Only connections to the other ranks' addresses (those a
+    `side_group` connected to) are touched, sparing the side groups' own and the store's (its port, and
+    MASTER_PORT); any other gloo group of this process (a subgroup, a private one) goes down too.  It needs
+    Linux's /proc/self/fd and a side group made before; elsewhere only the destroy is done.  Afterwards the
+    default group must be made again (`GroupSpec.reinit`) before the next collective.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+        return
+    _shut_down_connections(_store_ports(dist.distributed_c10d._get_default_store()))
+    dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How the default process group was made: enough to make it again after `tear_down_default_group`."""
+
+    backend: str
+    rank: int
+    world_size: int
+    timeout: datetime.timedelta
+    store: Any  # the default group's store (a fresh prefix of it names each new group)
+    device_id: torch.device | None
+
+    @classmethod
+    def of_default_group(cls) -> GroupSpec:
+        require_process_group("GroupSpec.of_default_group")
+        pg = dist.distributed_c10d._get_default_group()
+        device_id = getattr(pg, "bound_device_id", None)
+        return cls(dist.get_backend(), dist.get_rank(), dist.get_world_size(), default_group_timeout(),
+                   dist.distributed_c10d._get_default_store(), device_id)
+
+    def reinit(self, tag: str) -> None:
+        """Collective: tear down what is left of the default group and make a new one, as before, over a
+        fresh prefix ``tag`` of the same store (every rank passes the same, new ``tag``)."""
+        tear_down_default_group()
+        kwargs = {"device_id": self.device_id} if self.device_id is not None else {}
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"cs336-reinit/{tag}/", self.store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout, **kwargs)
+
+
 def _to_bytes(value: Any) -> bytes:
     # torch pickles tensors through a queue as shared-memory handles that vanish when the worker exits
     # (the parent then fails with ConnectionResetError); torch.save bytes carry the data by value.
@@ -89,6 +312,12 @@ def _to_bytes(value: Any) -> bytes:
 
 def _from_bytes(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def _destroy_if_initialized() -> None:
+    """Destroy the default process group unless ``fn`` already did (or tore it down after a failure)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
@@ -109,9 +338,9 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s
             # Report before tearing down: destroying a group with unmatched collectives in flight (the
             # usual way a rank fails) can block, and the parent must learn the root cause regardless.
             results.put((rank, False, traceback.format_exc()))
-            dist.destroy_process_group()
+            _destroy_if_initialized()
             return
-        dist.destroy_process_group()
+        _destroy_if_initialized()
         results.put((rank, True, _to_bytes(value)))
     except BaseException:  # noqa: BLE001 - init or teardown failed
         results.put((rank, False, traceback.format_exc()))

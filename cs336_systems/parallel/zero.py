@@ -117,7 +117,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.parallel.ddp import plan_buckets
-from cs336_systems.parallel.launch import require_process_group
+from cs336_systems.parallel.launch import check_same_across_ranks, require_process_group, tensor_signature
 
 MODES = ("broadcast", "zero1")
 LOCAL_FORMAT = "cs336-sharded-local"
@@ -238,14 +238,8 @@ def _remove_hooks(handles: dict[torch.Tensor, Any]) -> None:
 
 def _check_same_on_all_ranks(params: list[torch.Tensor], who: str) -> None:
     """Fail loudly (instead of hanging or silently diverging) when ranks add different parameter lists."""
-    numels = [p.numel() for p in params]
-    mine = torch.tensor([len(params), sum(numels), sum((i + 1) * n for i, n in enumerate(numels))],
-                        dtype=torch.int64, device=_comm_device())
-    every = torch.empty(dist.get_world_size() * 3, dtype=torch.int64, device=mine.device)
-    all_gather_flat(every, mine)
-    rows = every.view(-1, 3).tolist()
-    if any(row != rows[0] for row in rows):
-        raise ValueError(f"{who}: ranks added different parameters (count, numel, order fingerprint): {rows}")
+    check_same_across_ranks(who, [tensor_signature(f"parameter {i}", p) for i, p in enumerate(params)],
+                            what="parameters", unit="parameters")
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Cases are paired by pytest node id (``fullname``): old and new median, delta % = (new - old) / old,
 flagged beyond the threshold, and the cases found in one run only.  Runs whose machine facts differ in
 machine.COMPARABLE_FIELDS are refused (`IncomparableRuns`) unless ``any_machine``: absolute times do not
-transfer between machines.
+transfer between machines.  The report names each run's commit, marked "(dirty)" (with a warning) for a
+run saved from a work tree with uncommitted changes, whose times cannot be traced to code.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from cs336_systems.bench.machine import COMPARABLE_FIELDS
 from cs336_systems.reporting.run_files import read_run
-from cs336_systems.reporting.tables import fmt_duration, md_table
+from cs336_systems.reporting.tables import commit_label, fmt_duration, md_table
 
 COMPARE_THRESHOLD_PERCENT = 10.0
 
@@ -22,7 +23,8 @@ class IncomparableRuns(ValueError):
 
 
 def load_cases(path: str | Path) -> tuple[dict, dict[str, dict]]:
-    """(machine facts, {fullname: {"name", "status", "median_s"}}) of one saved run; OOM cases included.
+    """(machine facts plus "commit", {fullname: {"name", "status", "median_s"}}) of one saved run; OOM cases
+    included.  "commit" is `tables.commit_label`: the short id, "(dirty)" for uncommitted changes.
 
     Cases are keyed by pytest's node id (``fullname``), which names the test file, function and
     parameters, so the same case pairs up across runs; a later duplicate replaces an earlier one.
@@ -36,7 +38,7 @@ def load_cases(path: str | Path) -> tuple[dict, dict[str, dict]]:
     for oom in data.get("oom", []):
         key = oom.get("fullname") or oom.get("name", "")
         cases[key] = {"name": oom.get("name", key), "status": "oom", "median_s": None}
-    return data.get("machine_info", {}).get("cs336_systems", {}), cases
+    return {**data.get("machine_info", {}).get("cs336_systems", {}), "commit": commit_label(data)}, cases
 
 
 def _fmt_case_time(case: dict) -> str:
@@ -63,7 +65,14 @@ def compare_runs(old: str | Path, new: str | Path, threshold: float = COMPARE_TH
     if differences and not any_machine:
         raise IncomparableRuns(f"runs {old} and {new} were measured on different machines ({listed}); "
                                "absolute times do not transfer. Pass --any-machine to compare anyway.")
-    lines = [f"# Comparison: {old} -> {new}", ""]
+    lines = [f"# Comparison: {old} -> {new}", "",
+             md_table(["run", "file", "commit"], [["old", str(old), old_facts["commit"]],
+                                                   ["new", str(new), new_facts["commit"]]]), ""]
+    dirty = [f"{which} ({path})" for which, path, facts in (("old", old, old_facts), ("new", new, new_facts))
+             if facts["commit"].endswith("(dirty)")]
+    if dirty:
+        lines += [f"**Warning: {' and '.join(dirty)} saved from a work tree with uncommitted changes: "
+                  "its times cannot be traced to code.**", ""]
     if differences:
         lines += [f"**Warning: different machines ({listed}); absolute times do not transfer.**", ""]
     rows, flagged = [], {"slower": 0, "faster": 0}

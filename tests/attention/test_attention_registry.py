@@ -78,3 +78,87 @@ def test_naive_gradients_match_sdpa():
         grads.append(torch.autograd.grad(out.square().sum(), inputs))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("impl", ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"])
+def test_implementation_unavailable_on_the_inputs_device_is_refused(impl):
+    """Pinned SDPA backends are CUDA kernels: on CPU tensors sdpa-cudnn / sdpa-efficient used to fail deep
+    inside torch and sdpa-flash to run another kernel silently.  The registry refuses them up front."""
+    q = torch.randn(1, 2, 16, 32)
+    with pytest.raises(ValueError, match=rf"attention implementation '{impl}' is not available on device cpu; "
+                                         r"available there: naive, naive-compiled, sdpa, .*flash-pytorch"):
+        attention.attention(q, q, q, is_causal=True, impl=impl)
+    with pytest.raises(ValueError, match=rf"'{impl}' is not available on device cpu"):
+        attention.check_available(impl, "cpu")
+    assert impl not in attention.available("cpu")
+
+
+def test_check_available_names_head_dims_and_the_alternatives(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # flash-triton available on the CPU
+    assert attention.check_available("flash-triton", "cpu", head_dim=64).name == "flash-triton"
+    with pytest.raises(ValueError, match=r"'flash-triton' supports head dims \(16, 32, 64, 128\), got head_dim=80; "
+                                         r"available on device cpu for head_dim=80: naive, .*sdpa"):
+        attention.check_available("flash-triton", "cpu", head_dim=80)
+    assert attention.check_available("naive", "meta", head_dim=80).name == "naive"
+
+
+@pytest.mark.parametrize("is_causal", ["false", "False", "", 0, 1, None, 1.0])
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "flash-pytorch"])
+def test_is_causal_must_be_a_bool(impl, is_causal):
+    """A string is truthy: is_causal="false" used to run causal attention."""
+    q = torch.randn(1, 6, 8)
+    with pytest.raises(ValueError, match=r"is_causal must be a bool \(True or False\), got"):
+        attention.attention(q, q, q, is_causal=is_causal, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "flash-pytorch"])
+def test_zero_head_dim_is_refused(impl):
+    q = torch.randn(2, 5, 0)
+    with pytest.raises(ValueError, match=r"head dim d \(the last dim of q, k, v\) must be >= 1; got q \(2, 5, 0\)"):
+        attention.attention(q, q, q, impl=impl)
+
+
+EMPTY_SHAPES = [((2, 0, 16), (2, 5, 16)), ((2, 5, 16), (2, 0, 16)), ((0, 5, 16), (0, 5, 16)),
+                ((0, 2, 5, 16), (0, 2, 5, 16)), ((2, 3, 0, 16), (2, 3, 7, 16)), ((1, 0, 16), (1, 0, 16))]
+
+
+@pytest.mark.parametrize("impl", ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"])
+@pytest.mark.parametrize("q_shape, kv_shape", EMPTY_SHAPES)
+def test_pinned_sdpa_handles_empty_problems(impl, q_shape, kv_shape):
+    """No queries, no keys or an empty batch: what the reference gives (empty, or zeros for queries with no
+    key), with gradients, instead of reshape's "cannot reshape tensor of 0 elements" (the kernels are never
+    called for these, so this runs on any device)."""
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
+    for causal in (False, True):
+        out = attention.get(impl).fn(q, k, v, is_causal=causal)
+        assert out.shape == q.shape
+        assert not out.any()
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), allow_unused=True)
+        for g, t in zip(grads, (q, k, v)):
+            assert g is None or (g.shape == t.shape and not g.any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flash-triton", "naive", "sdpa"])
+@pytest.mark.parametrize("q_shape, kv_shape", EMPTY_SHAPES)
+def test_gpu_empty_problems_through_the_registry(impl, q_shape, kv_shape):
+    q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    if impl == "flash-triton" and q.numel() and not k.shape[-2]:
+        with pytest.raises(ValueError, match="flash-triton needs Nk >= 1"):
+            attention.attention(q, k, v, is_causal=True, impl=impl)
+        return
+    out = attention.attention(q, k, v, is_causal=True, impl=impl)
+    assert out.shape == q.shape and not out.any()
+    out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_backend_without_a_kernel_for_the_inputs_is_refused_with_the_reason():
+    q = torch.randn(1, 2, 128, 64, device="cuda")  # float32: FlashAttention-2 and cuDNN take none
+    for impl in ("sdpa-flash", "sdpa-cudnn"):
+        with pytest.raises(ValueError, match=rf"'{impl}' does not support these inputs on device cuda.*float32.*"
+                                             r"implementations that do: naive"):
+            attention.attention(q, q, q, is_causal=True, impl=impl)
+    assert attention.attention(q, q, q, is_causal=True, impl="sdpa-efficient").shape == q.shape

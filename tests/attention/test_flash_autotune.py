@@ -274,6 +274,91 @@ def test_storing_keeps_entries_another_process_saved_meanwhile(tmp_cache):
     assert flash_autotune.cached(theirs, cpu) is not None  # the memo follows the merged file
 
 
+_ENTRY = {"fwd": "64x32w4s4", "dkdv": "16x64w4s4", "dq": "32x64w4s3"}
+
+
+def _store(key: ShapeKey) -> None:
+    flash_autotune._store_cache(torch.device("cpu"), key, {k: TileConfig.parse(c) for k, c in _ENTRY.items()})
+
+
+def _a_readable_cache() -> str:
+    key = ShapeKey.of(1, 4096, 4096, 64, torch.float16, True)
+    return json.dumps({flash_autotune.device_id(torch.device("cpu")): {key.text(): _ENTRY}}, indent=1)
+
+
+@pytest.mark.parametrize("content", [
+    # CS336_FLASH_CACHE pointed at another JSON file: a saved benchmark run, a dict of dicts, a list
+    json.dumps({"machine_info": {"node": "gpu-7"}, "benchmarks": [{"name": "test_x"}]}, indent=1) * 40,
+    json.dumps({"name": {"version": "1.0", "deps": {"torch": "2.11"}}}),
+    "[1, 2, 3]",
+    # a readable cache with one bad byte
+    _a_readable_cache().replace(":", ";", 1),
+    _a_readable_cache().encode()[:40] + b"\xff" + _a_readable_cache().encode()[41:],  # not even UTF-8
+])
+def test_storing_never_overwrites_a_file_that_is_not_a_readable_cache(tmp_cache, content):
+    if isinstance(content, bytes):
+        tmp_cache.write_bytes(content)
+    else:
+        tmp_cache.write_text(content)
+    before = tmp_cache.read_bytes()
+    mine = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    with pytest.warns(RuntimeWarning, match=r"not a readable autotune cache.*left untouched.*\.new"):
+        _store(mine)
+    assert tmp_cache.read_bytes() == before  # byte for byte
+    beside = tmp_cache.with_name(tmp_cache.name + ".new")
+    saved = json.loads(beside.read_text())
+    assert saved == {flash_autotune.device_id(torch.device("cpu")): {mine.text(): _ENTRY}}
+    assert flash_autotune.cached(mine, torch.device("cpu")) is not None  # this process keeps its entry
+    # the next tune merges into the file beside it, still leaving the original alone
+    other = ShapeKey.of(1, 4096, 4096, 64, torch.float16, True)
+    with pytest.warns(RuntimeWarning):
+        _store(other)
+    assert tmp_cache.read_bytes() == before
+    assert set(json.loads(beside.read_text())[flash_autotune.device_id(torch.device("cpu"))]) == {
+        mine.text(), other.text()}
+
+
+def test_storing_beside_skips_files_that_are_not_caches_either(tmp_cache):
+    tmp_cache.write_text("{not json")
+    taken = tmp_cache.with_name(tmp_cache.name + ".new")
+    taken.write_text('{"someone": "else"}')
+    with pytest.warns(RuntimeWarning, match=r"saved to .*flash-autotune\.json\.new\.1"):
+        _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    assert tmp_cache.read_text() == "{not json" and taken.read_text() == '{"someone": "else"}'
+    assert json.loads(tmp_cache.with_name(tmp_cache.name + ".new.1").read_text())
+
+
+@pytest.mark.parametrize("content", [None, "", "  \n", "{}", _a_readable_cache()])
+def test_storing_into_a_missing_empty_or_readable_cache_writes_it(tmp_cache, content, recwarn):
+    if content is not None:
+        tmp_cache.write_text(content)
+    mine = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    _store(mine)
+    saved = json.loads(tmp_cache.read_text())[flash_autotune.device_id(torch.device("cpu"))]
+    assert mine.text() in saved and (content != _a_readable_cache() or len(saved) == 2)
+    assert not tmp_cache.with_name(tmp_cache.name + ".new").exists()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1", "on"])
+def test_autotune_variable_is_validated(tmp_cache, monkeypatch, value):
+    monkeypatch.setenv(flash_autotune.AUTOTUNE_ENV, value)
+    with pytest.raises(ValueError, match=rf"CS336_FLASH_AUTOTUNE must be one of 0, 1 \(or unset\), got '{value}'"):
+        flash_autotune.select(1, 64, 64, 16, torch.float32, False, torch.device("cpu"), may_tune=True)
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)  # the GPU path, on a memo miss
+    with pytest.raises(ValueError, match="CS336_FLASH_AUTOTUNE must be one of"):
+        flash_autotune.select(1, 64, 64, 16, torch.float32, False, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_autotune_variable_accepted_values(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(flash_autotune.AUTOTUNE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(flash_autotune.AUTOTUNE_ENV, value)
+    assert flash_autotune.autotune_requested() is expected
+
+
 def test_tune_picks_the_fastest_correct_candidate_and_caches_it(tmp_cache):
     if not flash_autotune.interpreter_active():
         pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")

@@ -204,6 +204,39 @@ def test_meta_tensors_give_shapes_only():
     assert out.device.type == "meta" and out.shape == q.shape
 
 
+def test_double_backward_raises_instead_of_dropping_second_order_terms():
+    """The recomputing backward builds no graph: a create_graph=True backward through it would give
+    gradients whose own derivatives miss every term through attention (silently), so it raises."""
+    q, k, v = (torch.randn(1, 16, 16, requires_grad=True) for _ in range(3))
+    for loss in (lambda o: o.square().sum(), lambda o: o.sum()):  # dO with and without a graph of its own
+        out = FlashAttentionPytorch.apply(q, k, v, True)
+        with pytest.raises(RuntimeError, match="flash-pytorch does not support double backward"):
+            torch.autograd.grad(loss(out), q, create_graph=True)
+    # a plain backward still works afterwards, with no graph on its gradients
+    out = FlashAttentionPytorch.apply(q, k, v, True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    assert dq.shape == q.shape and not dq.requires_grad
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float64_computes_in_float64(is_causal):
+    """float64 in, float64 arithmetic (not float32 and back): O, L, dQ, dK, dV within 1e-12 of the reference."""
+    with tile_sizes(16, 32, 16):  # several tiles each way
+        q, k, v, do = random_qkv((2,), 70, 90, 32, torch.float64, 1.0, seed=4)
+        ours = flash(q, k, v, do, is_causal)
+    ref = reference(q, k, v, do, is_causal)
+    for name, x, r in zip(("O", "L", "dQ", "dK", "dV"), ours, ref):
+        assert x.dtype == torch.float64, name
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("is_causal", ["false", 1, None])
+def test_is_causal_must_be_a_bool(is_causal):
+    q = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match=r"is_causal must be a bool \(True or False\), got"):
+        FlashAttentionPytorch.apply(q, q, q, is_causal)
+
+
 def test_no_keys_gives_zeros_like_the_naive_reference():
     q, k, v = torch.randn(2, 5, 16), torch.zeros(2, 0, 16), torch.zeros(2, 0, 16)
     out = flash_attention_pytorch(q, k, v)

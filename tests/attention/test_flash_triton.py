@@ -1,8 +1,9 @@
 """FlashAttention-2 in Triton: properties against float64, compile-friendliness, memory, bad inputs.
 
 On CPU the kernels run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1 when there
-is no GPU): fp32 and fp16 only, because the interpreter's bf16 tl.dot is wrong.  GPU-marked tests run
-bf16/fp16/fp32 at larger sizes and torch.compile(fullgraph=True).
+is no GPU): fp32 and fp16 only, because the interpreter's bf16 tl.dot is wrong (bf16 there is refused with
+a ValueError, tested below).  GPU-marked tests run bf16/fp16/fp32 at larger sizes and
+torch.compile(fullgraph=True).
 """
 
 import pytest
@@ -88,12 +89,69 @@ def test_integer_and_mixed_device_inputs_raise():
         FlashAttentionTriton.apply(x, x.to("meta"), x, False)
 
 
+def test_bfloat16_under_the_interpreter_is_refused():
+    """The interpreter's bf16 tl.dot returns garbage (errors of ~1e8): a ValueError naming the dtype and the
+    interpreter, from the Function and from the registry, instead of a wrong answer."""
+    if DEVICE == "cuda":
+        pytest.skip("the kernels are compiled for the GPU here, where bf16 is supported")
+    q = torch.randn(1, 64, 32, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype torch.bfloat16 under Triton's interpreter \(TRITON_INTERPRET=1\)"):
+        FlashAttentionTriton.apply(q, q, q, True)
+    with pytest.raises(ValueError, match=r"'flash-triton' does not support these inputs.*bfloat16.*interpreter"):
+        attention.attention(q, q, q, is_causal=True, impl="flash-triton")
+    # float16 runs there
+    half = q.half()
+    torch.testing.assert_close(attention.attention(half, half, half, is_causal=True, impl="flash-triton"),
+                               attention.attention(half, half, half, is_causal=True, impl="naive"), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("is_causal", ["false", "True", 0, 1, None, torch.tensor(True)])
+def test_is_causal_must_be_a_bool(is_causal):
+    q = torch.randn(1, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"is_causal must be a bool \(True or False\), got"):
+        FlashAttentionTriton.apply(q, q, q, is_causal)
+    with pytest.raises(ValueError, match=r"is_causal must be a bool"):
+        attention.attention(q, q, q, is_causal=is_causal, impl="flash-triton")
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [
+    ((0, 40, 16), (0, 40, 16)),  # empty batch
+    ((0, 3, 40, 16), (0, 3, 40, 16)),
+    ((2, 0, 16), (2, 33, 16)),  # no queries: dK, dV are zero
+    ((0, 40, 16), (0, 0, 16)),
+])
+def test_empty_problems_give_empty_outputs_and_zero_gradients(q_shape, kv_shape):
+    q = torch.randn(q_shape, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(kv_shape, device=DEVICE, requires_grad=True) for _ in range(2))
+    for causal in (False, True):
+        out = FlashAttentionTriton.apply(q, k, v, causal)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert not dk.any() and not dv.any()
+        ref = attention.attention(q, k, v, is_causal=causal, impl="flash-triton")
+        assert ref.shape == q.shape
+
+
+def test_queries_without_keys_and_zero_head_dim_are_refused():
+    q = torch.randn(2, 5, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"flash-triton needs Nk >= 1 when there are queries"):
+        FlashAttentionTriton.apply(q, q[:, :0], q[:, :0], False)
+    empty_d = torch.randn(2, 5, 0, device=DEVICE)
+    with pytest.raises(ValueError, match=r"head dim d \(the last dim of q, k, v\) must be >= 1"):
+        FlashAttentionTriton.apply(empty_d, empty_d, empty_d, False)
+    with pytest.raises(ValueError, match=r"head dim d \(the last dim of q, k, v\) must be >= 1"):
+        attention.attention(empty_d, empty_d, empty_d, impl="flash-triton")
+
+
 def test_cpu_without_interpreter_says_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(1, 8, 32)
     with pytest.raises(ValueError, match="flash-triton needs CUDA tensors .* TRITON_INTERPRET=1"):
         FlashAttentionTriton.apply(x, x, x, False)
     assert not flash_triton.available(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"'flash-triton' is not available on device cpu; available there: naive"):
+        attention.attention(x, x, x, impl="flash-triton")
 
 
 # --- GPU only --------------------------------------------------------------------------------------

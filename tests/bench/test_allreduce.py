@@ -133,3 +133,68 @@ def test_allreduce_case_times_and_bandwidths(world):
     assert known["extra_info"]["algbw_gbps"] == pytest.approx(nbytes / 0.2 / 1e9, rel=1e-12)
     assert known["extra_info"]["busbw_gbps"] == pytest.approx(nbytes / 0.2 * 2 * (world - 1) / world / 1e9, rel=1e-12)
     assert results[0]["oom"] == {"status": "oom", "error": "OOM x"}
+
+
+# --- through perf/'s dist_bench: a rank's OOM is an OOM cell, a rank's error fails the case ----------------
+
+DIST_MATRIX = {"suites": {"allreduce": {"profiles": {"cpu": [
+    {"group": "allreduce-cpu", "backends": ["gloo"], "sizes_mb": [0.125, 0.25, 0.5], "world_sizes": [2],
+     "inner_iters": 1, "warmup": 1, "rounds": 2},
+]}}}}
+
+DIST_PERF_TESTS = '''
+import pytest, torch
+import torch.distributed as dist
+from cs336_systems.bench import rank_timing
+from cs336_systems.bench.workloads.allreduce import allreduce_case
+
+def one_rank_fails(device, case):
+    """0.125 MiB: all well; 0.25 MiB: rank 1 runs out of memory while building; 0.5 MiB: rank 1 raises in a
+    round."""
+    if case["size_mb"] == 0.125:
+        return allreduce_case(device, case)
+    def setup():
+        if dist.get_rank() == 1 and case["size_mb"] == 0.25:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        def step():
+            if dist.get_rank() == 1:
+                raise ValueError("rank one's step is broken")
+            dist.all_reduce(torch.ones(8))
+        return step
+    m = rank_timing.measure_across_ranks(setup, warmup=case["warmup"], rounds=case["rounds"], device=device)
+    return {"status": m.status, "error": m.error}
+
+@pytest.mark.suite("allreduce")
+def test_allreduce(case, dist_bench):
+    dist_bench(one_rank_fails, case=case)
+'''
+
+
+def test_dist_bench_records_a_rank_oom_as_an_oom_cell_and_fails_on_a_rank_error(pytester, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from cs336_systems.reporting import render
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # else pytest-benchmark disables itself in the child session
+    pytester.makeconftest((root / "conftest.py").read_text())
+    perf = pytester.mkdir("perf")
+    (perf / "conftest.py").write_text((root / "perf" / "conftest.py").read_text())
+    (perf / "test_dist.py").write_text(DIST_PERF_TESTS)
+    (pytester.path / "benchmarks.json").write_text(json.dumps(DIST_MATRIX))
+    result = pytester.runpytest_subprocess("perf", "--perf-profile=cpu", "--benchmark-json=out.json",
+                                           "-p", "no:cacheprovider", "-rs", timeout=120)  # a hang fails
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "*distributed case failed: rank 1 raised in warm-up round 1: ValueError: rank one's step is broken*",
+        "*OOM (recorded in the saved JSON): rank 1 ran out of memory in setup: CUDA out of memory*",
+    ])
+    assert "Traceback" in result.stdout.str() and "in step" in result.stdout.str()  # the failing rank's
+    data = json.loads((pytester.path / "out.json").read_text())
+    (oom,) = data["oom"]
+    assert oom["name"] == "test_allreduce[gloo-0.25MiB-ranks2-w1]" and oom["extra_info"]["size_mb"] == 0.25
+    assert oom["error"].startswith("rank 1 ran out of memory in setup: CUDA out of memory. Tried to allocate 64")
+    report = render.render([pytester.path / "out.json"])
+    assert "| 0.25 | 2 | OOM |" in report, report

@@ -11,6 +11,7 @@ its update is that of the mean loss); for "none", AdamW on the rank's own batch 
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from cs336_systems.model import build
 from cs336_systems.parallel.launch import spawn
+from cs336_systems.bench.workloads import data_parallel as dp
 from cs336_systems.bench.workloads.data_parallel import VARIANTS, DistributedTrainStep, train_case
 
 WORLD, CONTEXT, BATCH, VOCAB, STEPS, LR, SEED = 2, 32, 2, 512, 2, 1e-4, 0
@@ -39,6 +41,112 @@ def _full_params(step: DistributedTrainStep) -> dict[str, torch.Tensor]:
         if hasattr(p, "full_tensor"):  # torch-fsdp2: a DTensor shard
             p = p.full_tensor()
         out[name] = p.float().clone()
+    return out
+
+
+# --- memory bookkeeping stays out of the timed step ------------------------------------------------------
+#
+# The bookkeeping (walking parameters, gradients and optimizer state: DTensor.to_local() on each under
+# torch-fsdp2) only runs on CUDA.  Here the step is told it is on CUDA, with torch.cuda's memory counters
+# faked, and the bookkeeping helpers are counted: the timed step must never call them, one recorded step
+# after the measured rounds must.
+
+BOOKKEEPING_VARIANTS = ("naive", "torch-fsdp2")
+FAKE_PEAK, FAKE_ALLOCATED = 3 * 2**30, 2**30
+
+
+class _Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _bookkeeping_calls(cpu: torch.device, variant: str) -> dict:
+    """-> bookkeeping calls made by timed steps and by one recorded step; train_case's count per case."""
+    real = {name: getattr(torch.cuda, name) for name in
+            ("reset_peak_memory_stats", "max_memory_allocated", "memory_allocated", "synchronize")}
+    real_local, real_state = dp._local, dp.DistributedTrainStep._optimizer_state_bytes
+    real_step_cls = dp.DistributedTrainStep
+    local, state = _Counted(real_local), _Counted(real_state)
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.cuda.max_memory_allocated = lambda device=None: FAKE_PEAK
+    torch.cuda.memory_allocated = lambda device=None: FAKE_ALLOCATED
+    torch.cuda.synchronize = lambda device=None: None
+    dp._local = local
+    dp.DistributedTrainStep._optimizer_state_bytes = lambda self: state(self)
+
+    class OnFakeCuda(real_step_cls):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.cuda = True  # take the CUDA bookkeeping paths, with the counters above
+
+    out: dict = {}
+    try:
+        step = OnFakeCuda(variant=variant, size="tiny", context=CONTEXT, batch_size=BATCH, precision="fp32",
+                          device=cpu, vocab_size=VOCAB, lr=LR, seed=SEED)
+        for _ in range(3):
+            step()
+        out["timed"] = (local.calls, state.calls)
+        record = getattr(step, "record_memory", None)
+        out["memory"] = record() if record is not None else None
+        out["recorded"] = (local.calls - out["timed"][0], state.calls - out["timed"][1])
+        out["param_bytes"] = sum(dp._local(p).numel() * 4 for p in step.model.parameters())
+        del step
+        before = state.calls
+        dp.DistributedTrainStep = OnFakeCuda
+        result = train_case(cpu, dict(TRAIN_CASE, variant=variant))
+        out["train_case_calls"] = state.calls - before
+        out["train_case_memory"] = result.get("extra_info", {}).get("memory_gib")
+    finally:
+        for name, fn in real.items():
+            setattr(torch.cuda, name, fn)
+        dp._local = real_local
+        real_step_cls._optimizer_state_bytes = real_state
+        dp.DistributedTrainStep = real_step_cls
+    return out
+
+
+# --- an OOM on one rank ends the case on every rank, recorded as OOM ------------------------------------
+
+OOM_TEXT = "CUDA out of memory. Tried to allocate 4.00 GiB"
+
+
+def _failures(cpu: torch.device, rank: int) -> dict:
+    """train_case with an OOM injected on one rank: while building the model (rank 1; rank 0 goes on into
+    NaiveDDP's construction collectives), and in measured round 2 of torch DDP (rank 0; rank 1 waits in
+    DDP's all-reduce, and its DDP module holds the process group)."""
+    out: dict = {}
+    real_build, real_step_cls = dp.build, dp.DistributedTrainStep
+
+    def build_oom_on_rank1(*args, **kwargs):
+        if rank == 1:
+            raise torch.OutOfMemoryError(OOM_TEXT)
+        return real_build(*args, **kwargs)
+
+    class OomInRound(real_step_cls):
+        calls = 0
+
+        def __call__(self):
+            OomInRound.calls += 1
+            if rank == 0 and OomInRound.calls == TRAIN_CASE["warmup"] + 2:
+                raise torch.OutOfMemoryError(OOM_TEXT)
+            super().__call__()
+
+    try:
+        dp.build = build_oom_on_rank1
+        start = time.perf_counter()
+        out["setup"] = train_case(cpu, dict(TRAIN_CASE, variant="naive"))
+        out["setup_s"] = time.perf_counter() - start
+        dp.build = real_build
+        dp.DistributedTrainStep = OomInRound
+        start = time.perf_counter()
+        out["round"] = train_case(cpu, dict(TRAIN_CASE, variant="torch-ddp"))
+        out["round_s"] = time.perf_counter() - start
+    finally:
+        dp.build, dp.DistributedTrainStep = real_build, real_step_cls
     return out
 
 
@@ -64,6 +172,9 @@ def _job(rank: int, world_size: int) -> dict:
         }
         del step
     out["train_case"] = {v: train_case(cpu, dict(TRAIN_CASE, variant=v)) for v in ("naive", "none")}
+    out["bookkeeping"] = {v: _bookkeeping_calls(cpu, v) for v in BOOKKEEPING_VARIANTS}
+    out["failures"] = _failures(cpu, rank)
+    out["after_failures"] = train_case(cpu, dict(TRAIN_CASE, variant="flat"))
     return out
 
 
@@ -190,3 +301,34 @@ def test_fp16_is_refused_where_the_inf_check_would_be_per_rank(variant):
     with pytest.raises(ValueError, match=rf"precision='fp16' .* not supported with variant '{variant}'"):
         DistributedTrainStep(variant=variant, size="tiny", context=CONTEXT, batch_size=BATCH, precision="fp16",
                              device="cpu")
+
+
+@pytest.mark.parametrize("variant", BOOKKEEPING_VARIANTS)
+def test_timed_step_does_no_memory_bookkeeping(results, variant):
+    for r in results:
+        out = r["bookkeeping"][variant]
+        assert out["timed"] == (0, 0), f"{variant}: the timed step walked tensors (to_local, optimizer state)"
+        memory = out["memory"]
+        assert memory is not None, "DistributedTrainStep.record_memory() is missing"
+        assert out["recorded"][0] > 0 and out["recorded"][1] == 1  # one recorded step does the bookkeeping
+        assert memory["parameters"] == out["param_bytes"] > 0  # this rank's (for torch-fsdp2: its shards)
+        assert memory["peak_before_step"] == memory["peak_step"] == FAKE_PEAK
+        assert memory["allocated_after_step"] == FAKE_ALLOCATED
+        assert memory["activations_other"] == FAKE_PEAK - memory["parameters"] - memory["gradients"] - memory[
+            "optimizer_state"]
+        # train_case: the bookkeeping ran once for the case (after the rounds), not once per round
+        assert out["train_case_calls"] == 1, out["train_case_calls"]
+        assert out["train_case_memory"]["peak_step"] == FAKE_PEAK / 2**30
+
+
+def test_oom_on_one_rank_ends_the_case_on_every_rank_as_oom(results):
+    for r in results:
+        failures = r["failures"]
+        assert failures["setup"] == {"status": "oom", "error": failures["setup"]["error"]}
+        assert failures["setup"]["error"].startswith(f"rank 1 ran out of memory in setup: {OOM_TEXT}")
+        assert failures["round"]["status"] == "oom"
+        assert failures["round"]["error"].startswith(f"rank 0 ran out of memory in round 2: {OOM_TEXT}")
+        assert failures["setup_s"] < 10 and failures["round_s"] < 10, failures  # not the collective timeout
+        # and the process group works for the next case
+        assert r["after_failures"]["status"] == "ok" and len(r["after_failures"]["times_s"]) == TRAIN_CASE["rounds"]
+    assert results[0]["failures"]["setup"] == results[1]["failures"]["setup"]

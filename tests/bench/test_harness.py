@@ -122,6 +122,39 @@ def test_cublas_alloc_failure_counts_as_oom_but_other_errors_propagate():
         measure(lambda: bug, warmup=1, rounds=1)
 
 
+@pytest.mark.parametrize("exc, oom", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (torch.cuda.OutOfMemoryError("anything"), True),  # the same class as torch.OutOfMemoryError
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot allocate memory)"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    # a worker's traceback relayed as text (perf/conftest.py turns a SpawnError into a RuntimeError)
+    (RuntimeError("rank 1 failed:\nTraceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate"),
+     True),
+    (RuntimeError("index out of memory region"), False),
+    (RuntimeError("the kernel ran out of memory bandwidth"), False),
+    (RuntimeError("out of memory"), False),  # no allocator says only that
+    (ValueError("CUDA out of memory"), False),  # only torch's OOM type or a RuntimeError
+])
+def test_only_real_allocation_failures_count_as_oom(exc, oom):
+    assert benchmarking.is_out_of_memory(exc) is oom
+
+
+def test_an_error_that_only_mentions_out_of_memory_propagates():
+    def step():
+        raise RuntimeError("index out of memory region")
+
+    with pytest.raises(RuntimeError, match="index out of memory region"):
+        measure(lambda: step, warmup=1, rounds=1)
+
+    def cpu_oom():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+
+    result = measure(lambda: cpu_oom, warmup=1, rounds=1)
+    assert result.status == "oom" and "DefaultCPUAllocator" in result.error
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         measure(lambda: (lambda: None), rounds=0)

@@ -90,7 +90,7 @@ def _grid(data):
         (lambda d: d.update(extra=1), r"benchmarks\.json: unknown key 'extra'"),
         (lambda d: d.update(gates=[{"name": "g", "suite": "end_to_end", "numerator": {"compile": True},
                                      "denominator": {"compile": False}, "max_ratio": -1}]),
-         r"gates\[0\]\.max_ratio: expected a positive number"),
+         r"gates\[0\]\.max_ratio: expected a finite positive number"),
         (lambda d: d.update(gates=[{"name": "g"}]), r"gates\[0\]: missing required key"),
     ],
 )
@@ -323,3 +323,95 @@ def test_bad_checkpoint_policy_names_the_path(data):
     data["suites"]["checkpointing"]["profiles"]["gpu"][0]["checkpoints"] = ["none", "every-0"]
     with pytest.raises(MatrixError, match=r"checkpointing\.profiles\.gpu\[0\]\.checkpoints\[1\]: .*every-0"):
         matrix.parse(data)
+
+
+# --- values that load must also run: the workloads' own limits, checked at load time -----------------------
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: _dist_grid(d, "allreduce").update(sizes_mb=[1, float("inf")]),
+         r"allreduce\.profiles\.gpu\[0\]\.sizes_mb\[1\]: expected a positive number, got inf"),
+        (lambda d: _dist_grid(d, "allreduce").update(sizes_mb=[1e-9]),
+         r"allreduce\.profiles\.gpu\[0\]\.sizes_mb\[0\]: 1e-09 MiB is 0\.001048576 bytes; the all-reduce needs a "
+         r"positive whole number of float32 elements"),
+        (lambda d: _dist_grid(d, "allreduce").update(sizes_mb=[0.1]),
+         r"sizes_mb\[0\]: 0\.1 MiB is 104857\.6 bytes; .*a multiple of 4 bytes"),
+        (lambda d: _dist_grid(d, "data_parallel", index=1).update(bucket_sizes_mb=[float("inf")]),
+         r"data_parallel\.profiles\.gpu\[1\]\.bucket_sizes_mb\[0\]: expected a positive number, got inf"),
+        (lambda d: _dist_grid(d, "data_parallel", index=0).update(bucket_sizes_mb=[None, 25]),
+         r"data_parallel\.profiles\.gpu\[0\]: bucket_sizes_mb \[25\] apply only to variants bucketed, zero-broadcast, "
+         r"but the grid also crosses them with \['none', 'torch-ddp'"),
+        (lambda d: _dist_grid(d, "data_parallel", index=2).update(precisions=["fp16"]),
+         r"data_parallel\.profiles\.gpu\[2\]: precision 'fp16' \(GradScaler\) is not supported with variants "
+         r"\['zero-broadcast', 'zero1', 'fsdp', 'torch-zero', 'torch-fsdp2'\]"),
+    ],
+)
+def test_values_a_rank_would_fail_on_are_refused_at_load_time(data, mutate, match):
+    mutate(data)
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse(data)
+
+
+def test_the_smallest_all_reduce_that_fits_a_float32_loads():
+    data = {"suites": {"allreduce": {"profiles": {"cpu": [
+        {"backends": ["gloo"], "sizes_mb": [4 / 2**20, 0.25], "world_sizes": [2], "warmup": 0, "rounds": 1}]}}}}
+    assert [c["size_mb"] for c in matrix.parse(data).cases("allreduce", "cpu")] == [4 / 2**20, 0.25]
+
+
+def test_data_parallel_rules_match_what_the_workload_refuses():
+    """BUCKETED_VARIANTS and NO_FP16_VARIANTS restate DistributedTrainStep's checks, which run before any
+    process group is needed: the two must agree."""
+    from cs336_systems.bench.workloads.data_parallel import VARIANTS, DistributedTrainStep
+
+    def refuses(variant, match, **kwargs):
+        try:
+            DistributedTrainStep(variant=variant, size="tiny", context=8, batch_size=1, device="cpu", **kwargs)
+        except ValueError as exc:
+            return match in str(exc)
+        except RuntimeError:  # passed the checks, then needed a process group
+            return False
+        return False
+
+    for variant in VARIANTS:
+        assert refuses(variant, "applies only to", precision="fp32", bucket_size_mb=1) == (
+            variant not in matrix.BUCKETED_VARIANTS), variant
+        assert refuses(variant, "is not supported with variant", precision="fp16") == (
+            variant in matrix.NO_FP16_VARIANTS), variant
+
+
+# --- one id, one case ------------------------------------------------------------------------------------
+
+def _lm_grid(**changes):
+    grid = {"sizes": ["tiny"], "contexts": [8, 16], "batch_sizes": [1], "modes": ["forward"], "precisions": ["fp32"],
+            "compile": [False], "warmup": 1, "rounds": 2, "group": "a"}
+    return {**grid, **changes}
+
+
+def test_two_grids_giving_one_case_id_with_different_rounds_are_refused_naming_both():
+    data = {"suites": {"end_to_end": {"profiles": {"cpu": [_lm_grid(), _lm_grid(contexts=[16], rounds=5, group="b")]}}}}
+    with pytest.raises(MatrixError, match=r"suites\.end_to_end\.profiles\.cpu\[0\] and suites\.end_to_end\.profiles"
+                                          r"\.cpu\[1\] both give case 'tiny-ctx16-b1-forward-fp32-eager-sdpa-w1', "
+                                          r"differing only in rounds: 2 vs 5, which the case id leaves out"):
+        matrix.parse(data)
+
+
+def test_two_all_reduce_grids_differing_only_in_inner_iters_are_refused():
+    grid = {"backends": ["gloo"], "sizes_mb": [1], "world_sizes": [2], "warmup": 0, "rounds": 1}
+    data = {"suites": {"allreduce": {"profiles": {"gpu": [{**grid, "inner_iters": 5}, {**grid, "inner_iters": 50}]}}}}
+    with pytest.raises(MatrixError, match=r"gpu\[0\] and .*gpu\[1\] both give case 'gloo-1MiB-ranks2-w0', differing "
+                                          r"only in inner_iters: 5 vs 50"):
+        matrix.parse(data)
+
+
+def test_a_case_listed_by_two_groups_is_one_case_not_a_conflict():
+    data = {"suites": {"end_to_end": {"profiles": {"cpu": [_lm_grid(), _lm_grid(contexts=[16], group="b")]}}}}
+    assert len(matrix.parse(data).cases("end_to_end", "cpu")) == 2
+
+
+def test_case_ids_are_unique_in_every_profile_of_the_repository_matrix(data):
+    m = matrix.parse(data)
+    for suite in m.suites:
+        for profile in matrix.PROFILES:
+            ids = [matrix.case_id(c) for c in m.cases(suite, profile)]
+            assert len(ids) == len(set(ids)), (suite, profile)

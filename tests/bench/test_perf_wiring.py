@@ -2,6 +2,8 @@
 exercised in isolated pytest sessions built from the project's real conftest files."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,7 @@ def test_bench_fixture_records_cases_rates_and_ooms(project):
     assert case["stats"]["rounds"] == 3
     assert [o["name"] for o in data["oom"]] == ["test_oom"]
     assert data["perf_profile"] == "cpu"
+    assert data["perf_groups"] == ["g1"] and data["perf_not_timed"] == []  # every selected case was timed
     assert {"gpu_name", "torch", "triton", "cuda", "driver"} <= set(data["machine_info"]["cs336_systems"])
 
 
@@ -298,3 +301,102 @@ def test_an_ambiguous_gate_fails_the_session_but_the_json_is_saved(project):
     output = result.stdout.str()
     assert result.ret == 1 and "ratio gates: error" in output and "differ only in ['context'" in output
     assert len(json.loads((project.path / "out.json").read_text())["benchmarks"]) == 2
+
+
+# --- a gate owes a verdict on every pair the session selected ---------------------------------------------
+
+GATED_TESTS = '''
+import pytest, torch
+
+@pytest.mark.suite("end_to_end")
+def test_case(case, bench):
+    def setup():
+        if case["context"] == 16:
+            {failure}
+        x = torch.randn(8, 8)
+        return lambda: x @ x
+    bench(setup, case=case)
+'''
+
+TWO_GROUPS = dict(TINY_MATRIX, suites={"end_to_end": {"profiles": {"cpu": [
+    TINY_MATRIX["suites"]["end_to_end"]["profiles"]["cpu"][0],
+    {**TINY_MATRIX["suites"]["end_to_end"]["profiles"]["cpu"][0], "contexts": [32], "group": "g2"}]}}},
+    gates=[{"name": "longer is not slower", "suite": "end_to_end", "numerator": {"context": 16},
+            "denominator": {"context": 8}, "max_ratio": 1e6}])
+
+
+@pytest.mark.parametrize("failure, outcome, reason", [
+    ('raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")', "skipped",
+     "OOM: CUDA out of memory. Tried to allocate 8.00 GiB"),
+    ('pytest.skip("flash-x is not available on cpu")', "skipped", "skipped: flash-x is not available on cpu"),
+    ('raise RuntimeError("kernel launch failed")', "failed", "failed: RuntimeError: kernel launch failed"),
+])
+def test_a_gate_whose_case_did_not_run_fails_the_session_and_the_saved_run(project, failure, outcome, reason):
+    (project.path / "benchmarks.json").write_text(json.dumps(TWO_GROUPS))
+    (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", failure))
+    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
+                                          "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1, **{outcome: 1})
+    output = result.stdout.str()
+    assert result.ret == 1 and "ratio gates: 1 not measured" in output
+    assert f"NOT MEASURED: numerator tiny-ctx16-b1-forward-fp32-eager-sdpa-w1: {reason}" in output
+    data = json.loads((project.path / "out.json").read_text())
+    assert data["perf_groups"] == ["g1"]
+    if reason.startswith("OOM"):
+        assert [o["extra_info"]["context"] for o in data["oom"]] == [16] and data["perf_not_timed"] == []
+    else:
+        (record,) = data["perf_not_timed"]
+        assert record["extra_info"]["context"] == 16 and record["reason"] == reason
+    cli = subprocess.run([sys.executable, "-m", "cs336_systems.gates", "out.json", "--matrix", "benchmarks.json"],
+                         cwd=project.path, capture_output=True, text=True)
+    assert cli.returncode == 1 and reason in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_gates_of_groups_or_cases_not_selected_are_not_applicable_not_passed(project):
+    (project.path / "benchmarks.json").write_text(json.dumps(TWO_GROUPS))
+    (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
+    for selection, why in ((["--perf-group=g2"], "needs group g1, not selected"),
+                           (["-k", "ctx16"], "group g1 selected, but the gate's cases deselected")):
+        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", *selection, "-p", "no:cacheprovider")
+        assert result.ret == 0, selection
+        output = result.stdout.str()
+        assert "ratio gates: none applies to this run" in output and "| not applicable |" in output
+        assert f"| longer is not slower | {why}" in output and "ok |" not in output
+
+
+def test_comparing_a_group_the_baseline_does_not_cover_fails(project):
+    from cs336_systems.reporting import baseline
+
+    (project.path / "benchmarks.json").write_text(json.dumps(dict(TWO_GROUPS, gates=[])))
+    (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
+    project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
+                                 "--benchmark-json=g1.json").assert_outcomes(passed=2)
+    store = project.path / "store"
+    baseline.write_baseline([project.path / "g1.json"], store)
+    compare = ("--perf-profile=cpu", "-p", "no:cacheprovider", f"--benchmark-storage=file://{store}",
+               "--benchmark-compare=0001", "--benchmark-compare-fail=median:1000%")
+    same = project.runpytest_subprocess("perf", "--perf-group=g1", *compare)
+    assert same.ret == 0, same.stdout.str()[-2000:]
+    other = project.runpytest_subprocess("perf", "--perf-group=g2", *compare)
+    other.assert_outcomes(passed=1)
+    assert other.ret == 1
+    assert "the baseline does not cover group(s) g2 (1 case(s)); it covers g1" in other.stdout.str()
+
+
+def test_baseline_refresh_runs_each_group_spec_then_merges_or_stops_at_a_failing_one(project):
+    (project.path / "benchmarks.json").write_text(json.dumps(dict(TWO_GROUPS, gates=[])))
+    (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
+
+    def refresh(specs):
+        return subprocess.run([sys.executable, "-m", "cs336_systems.baseline", "--refresh", specs, "--profile", "cpu",
+                               "--runs", "runs", "--storage", "store", "--pytest-command",
+                               f"{sys.executable} -m pytest -p no:cacheprovider"],
+                              cwd=project.path, capture_output=True, text=True)
+
+    done = refresh("g1+g2")  # one session for both groups
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--perf-group=g1,g2 --benchmark-json=runs/g1+g2.json" in done.stdout
+    data = json.loads(next((project.path / "store").rglob("0001_baseline.json")).read_text())
+    assert data["cs336_groups"] == ["g1", "g2"] and len(data["benchmarks"]) == 3
+    failed = refresh("nope")
+    assert failed.returncode == 2 and "group nope: pytest exited with status 4; nothing merged" in failed.stderr

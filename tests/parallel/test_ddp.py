@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import warnings
 
 import numpy as np
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems import model as lm_model
 from cs336_systems.parallel import ddp
+from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.launch import spawn
 
 V, D, H = 32, 16, 24  # vocab, width, hidden
@@ -238,6 +240,85 @@ def _misuse_messages(rank: int, world_size: int) -> dict[tuple[str, str], str | 
     return messages
 
 
+# --- every rank must hold the same model --------------------------------------------------------------
+
+class _Shaped(nn.Module):
+    """Two parameters of the given shapes and dtype, and an optional third one."""
+
+    def __init__(self, first=(4, 6), dtype=torch.float32, extra: bool = False) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.zeros(first, dtype=dtype))
+        self.second = nn.Parameter(torch.zeros(3, dtype=dtype))
+        if extra:
+            self.third = nn.Parameter(torch.zeros(2))
+        self.lin = nn.Linear(3, 3)  # FSDP shards its weight
+
+
+# Rank 1's model differs from rank 0's: one more parameter; the same numel in another shape (which used to
+# train silently on reshaped data); another dtype (which used to die inside gloo).
+MODEL_MISMATCHES = {
+    "count": dict(extra=True),
+    "shape": dict(first=(6, 4)),
+    "dtype": dict(dtype=torch.float64),
+}
+MISMATCH_WRAPPERS = {
+    "naive": ddp.NaiveDDP, "flat": ddp.FlatDDP, "individual": ddp.DDPIndividualParameters,
+    "bucketed": lambda m: ddp.DDPBucketed(m, 1.0), "fsdp": FSDP,
+}
+
+
+def _mismatched_models(rank: int, world_size: int) -> dict:
+    """-> (wrapper, mismatch) -> (error message or None, seconds the construction took on this rank)."""
+    out = {}
+    for kind, make in MISMATCH_WRAPPERS.items():
+        for mismatch, kwargs in MODEL_MISMATCHES.items():
+            module = _Shaped(**(kwargs if rank == 1 else {}))
+            start = time.perf_counter()
+            try:
+                make(module)
+                message = None
+            except ValueError as exc:
+                message = str(exc)
+            out[kind, mismatch] = (message, time.perf_counter() - start)
+    return out
+
+
+# --- a skipped finish_gradient_synchronization() is detected ---------------------------------------------
+
+def _skipped_finish(rank: int, world_size: int) -> dict:
+    """forward, backward, optimizer.step() without finish, forward again: -> wrapper -> messages of the
+    forwards that must raise (plain, under no_grad, inside no_sync()) and of those allowed (under no_grad
+    inside no_sync(), which makes no gradients; after finish), None where nothing was raised."""
+    out = {}
+    for kind in ("naive", "flat", "individual", "bucketed_two"):
+        net = _build(rank)
+        wrapper = WRAPPERS[kind](net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        _loss(wrapper, 2, rank, world_size).backward()
+        opt.step()  # finish_gradient_synchronization() forgotten
+        messages = {}
+        for attempt in ("no_sync_eval", "forward", "eval", "no_sync_forward", "after_finish"):
+            messages[attempt] = None
+            if attempt == "after_finish":
+                wrapper.finish_gradient_synchronization()  # on every rank: the collectives stay matched
+            try:
+                if attempt == "eval":
+                    with torch.no_grad():
+                        wrapper(*_batch(2)[::2])
+                elif attempt == "no_sync_eval":
+                    with wrapper.no_sync(), torch.no_grad():
+                        wrapper(*_batch(2)[::2])
+                elif attempt == "no_sync_forward":
+                    with wrapper.no_sync():
+                        wrapper(*_batch(2)[::2])
+                else:
+                    wrapper(*_batch(2)[::2])
+            except RuntimeError as exc:
+                messages[attempt] = str(exc)
+        out[kind] = messages
+    return out
+
+
 def _tiny_lm_batch(step: int) -> torch.Tensor:
     return torch.randint(128, (4, 17), generator=torch.Generator().manual_seed(99 + step))
 
@@ -281,6 +362,8 @@ def _job(rank: int, world_size: int, full: bool) -> dict:
                    sync=wrapper.finish_gradient_synchronization, autocast=True)
             results["bf16"][kind] = _numpy_state(net)
         results["misuse"] = _misuse_messages(rank, world_size)
+        results["mismatch"] = _mismatched_models(rank, world_size)
+        results["skipped_finish"] = _skipped_finish(rank, world_size)
         results["tiny_lm"] = _tiny_lm_train(rank, world_size, wrap=True)
     return results
 
@@ -470,6 +553,36 @@ def test_misuse_raises_instead_of_hanging(jobs):
                 assert "finish_gradient_synchronization()" in message[attempt], (kind, attempt)
             assert "inside no_sync()" in message["no_sync_backward"]
             assert message["no_sync_eval"] is None, message["no_sync_eval"]
+
+
+@pytest.mark.parametrize("mismatch", MODEL_MISMATCHES)
+@pytest.mark.parametrize("kind", MISMATCH_WRAPPERS)
+def test_different_models_on_the_ranks_raise_on_every_rank_naming_them(jobs, kind, mismatch):
+    messages = [r["mismatch"][kind, mismatch] for r in jobs[2]]
+    for rank, (message, seconds) in enumerate(messages):
+        assert message is not None, f"rank {rank}: {kind} accepted a model that differs on rank 1 ({mismatch})"
+        assert "ranks hold different models: rank(s) 1 differ from rank 0" in message, message
+        assert seconds < 5, seconds  # at construction, not at a collective's timeout
+        if mismatch == "count":
+            assert "rank 1 has 5 parameters and buffers, rank 0 has 4" in message, message
+        elif mismatch == "shape":
+            assert "rank 0 has 'first (4, 6) float32 trainable', rank 1 has 'first (6, 4) float32 trainable'" in message
+        else:
+            assert "'first (4, 6) float32 trainable', rank 1 has 'first (4, 6) float64 trainable'" in message
+    assert messages[0][0] == messages[1][0]  # the same verdict everywhere
+
+
+@pytest.mark.parametrize("kind", ["naive", "flat", "individual", "bucketed_two"])
+def test_a_skipped_finish_raises_at_the_next_forward(jobs, kind):
+    for rank_result in jobs[2]:
+        messages = rank_result["skipped_finish"][kind]
+        assert messages["no_sync_eval"] is None, messages["no_sync_eval"]  # makes no gradients: allowed
+        for attempt in ("forward", "eval", "no_sync_forward"):
+            assert messages[attempt] is not None, (kind, attempt, "nothing raised")
+            assert "finish_gradient_synchronization()" in messages[attempt], messages[attempt]
+            assert "a forward pass while a synchronized backward pass's gradients have not been finished" in \
+                messages[attempt]
+        assert messages["after_finish"] is None, messages["after_finish"]
 
 
 def test_tiny_lm_bucketed_matches_single_process(jobs):

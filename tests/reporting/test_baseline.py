@@ -1,4 +1,8 @@
-"""Saved-run comparison end to end, and the committed per-GPU baselines (cs336_systems.reporting.baseline)."""
+"""Saved-run comparison end to end, and the committed per-GPU baselines (cs336_systems.reporting.baseline).
+
+A baseline must never make a comparison pass by comparing nothing: empty runs, runs of dirty work trees and
+refreshes that lose cases are refused, and a comparison that compared nothing, or a group the baseline
+does not cover, fails the session."""
 
 import json
 import subprocess
@@ -60,14 +64,26 @@ def test_committed_style_baseline_is_found_by_compare(sleepy, monkeypatch, tmp_p
     assert f"Comparing against benchmarks from: {get_machine_id()}/0001_baseline.json" in output
 
 
-def _run_json(gpu: str, benches: list[tuple[str, float]]) -> dict:
+def _run_json(gpu: str, benches: list[tuple[str, float]], group: str | None = None, dirty: bool = False) -> dict:
     return {
         "machine_info": {"system": "Linux", "python_implementation": "CPython", "python_version": "3.12.3",
                          "machine": "x86_64", "cs336_systems": {"gpu_name": gpu, "gpu_count": 1, "cuda": "13.0",
                                                                 "torch": "2.11", "triton": "3.6"}},
-        "commit_info": {}, "datetime": "2026-11-21", "version": "5.2.3",
-        "benchmarks": [{"fullname": name, "stats": {"median": t}} for name, t in benches],
+        "commit_info": {"id": "15751cf0123456789abcdef0123456789abcdef0", "dirty": dirty}, "datetime": "2026-11-21",
+        "version": "5.2.3",
+        "benchmarks": [{"fullname": name, "stats": {"median": t}, "extra_info": {"group": group} if group else {}}
+                       for name, t in benches],
     }
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cs336_systems.baseline", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def _save(path, data):
+    path.write_text(json.dumps(data))
+    return path
 
 
 def test_merge_keeps_every_case_and_later_runs_win():
@@ -115,3 +131,114 @@ def test_cli_lists_groups_and_reports_bad_input(tmp_path):
     result = subprocess.run([sys.executable, "-m", "cs336_systems.baseline", str(bad), "--storage", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "not a readable pytest-benchmark JSON" in result.stderr
+
+
+# --- what a baseline refuses ------------------------------------------------------------------------------
+
+def test_cli_refuses_an_empty_run_and_writes_nothing(tmp_path):
+    empty = _save(tmp_path / "empty.json", _run_json("H100", []))
+    result = _cli(empty, "--storage", tmp_path / "store")
+    assert result.returncode == 2, result.stdout
+    assert f"{empty}: no benchmarks; a baseline made from it would make later comparisons pass" in result.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_refresh_that_drops_cases_or_groups_is_refused_unless_allow_partial(tmp_path):
+    first = _save(tmp_path / "g1.json", _run_json("H100", [("a", 1.0), ("b", 2.0)], group="g1"))
+    second = _save(tmp_path / "g2.json", _run_json("H100", [("c", 3.0)], group="g2"))
+    store = tmp_path / "store"
+    assert _cli(first, second, "--storage", store).returncode == 0
+    target = next(store.rglob("0001_baseline.json"))
+    before = target.read_text()
+    lost = _cli(first, "--storage", store)  # the g2 run went missing
+    assert lost.returncode == 2
+    assert "drops 1 case(s) and group(s) g2 that" in lost.stderr and "\n    c\n" in lost.stderr
+    assert "--allow-partial" in lost.stderr and target.read_text() == before
+    forced = _cli(first, "--storage", store, "--allow-partial")
+    assert forced.returncode == 0 and "warning: the new baseline drops 1 case(s)" in forced.stderr
+    assert json.loads(target.read_text())["cs336_groups"] == ["g1"]
+    # a refresh that keeps every case (timed again or now OOM) replaces the baseline without a word
+    assert _cli(first, second, "--storage", store).returncode == 0
+
+
+def test_dirty_runs_are_refused_unless_allow_dirty(tmp_path):
+    dirty = _save(tmp_path / "dirty.json", _run_json("H100", [("a", 1.0)], group="g1", dirty=True))
+    refused = _cli(dirty, "--storage", tmp_path / "store")
+    assert refused.returncode == 2
+    assert "saved from a work tree with uncommitted changes (commit 15751cf012 (dirty))" in refused.stderr
+    assert "--allow-dirty" in refused.stderr and not (tmp_path / "store").exists()
+    assert _cli(dirty, "--storage", tmp_path / "store", "--allow-dirty").returncode == 0
+    data = json.loads(next((tmp_path / "store").rglob("0001_baseline.json")).read_text())
+    assert data["cs336_sources"] == [{"file": "dirty.json", "commit": "15751cf0123456789abcdef0123456789abcdef0",
+                                      "dirty": True, "groups": ["g1"]}]
+
+
+def test_the_committed_dirty_multi_gpu_baseline_could_not_be_rebuilt_without_allow_dirty():
+    """results/h200x2 was merged from runs of a dirty work tree: kept as measured, but the tool now refuses
+    such runs unless told to accept them."""
+    (path,) = (ROOT / "results" / "h200x2" / "baselines").glob("*/0001_baseline.json")
+    data = json.loads(path.read_text())
+    assert data["commit_info"]["dirty"] is True
+    with pytest.raises(ValueError, match="uncommitted changes"):
+        baseline.check_run(data, str(path))
+    baseline.check_run(data, str(path), allow_dirty=True)
+
+
+def test_a_baseline_records_the_groups_it_covers():
+    merged = baseline.merge_runs([_run_json("H100", [("a", 1.0)], group="leaderboard"),
+                                  _run_json("H100", [("b", 1.0)], group="e2e-xl")], ["lb.json", "xl.json"])
+    assert merged["cs336_groups"] == ["e2e-xl", "leaderboard"]
+    assert [s["file"] for s in merged["cs336_sources"]] == ["lb.json", "xl.json"]
+    assert baseline.run_groups(merged) == ["e2e-xl", "leaderboard"]
+
+
+def test_the_committed_h100_baseline_covers_the_headline_groups_at_a_clean_commit():
+    (path,) = (ROOT / "results" / "h100" / "baselines").glob("*/0001_baseline.json")
+    data = json.loads(path.read_text())
+    assert data["cs336_groups"] == ["e2e-2.7B", "e2e-compiled", "e2e-xl", "flash-bf16-graph", "leaderboard"]
+    assert data["commit_info"]["dirty"] is False
+    assert {s["file"] for s in data["cs336_sources"]} == {
+        "leaderboard.json", "flash-bf16-graph.json", "e2e-2.7B.json", "e2e-xl.json", "e2e-compiled.json"}
+    assert all(not s["dirty"] and s["commit"].startswith("15751cf") for s in data["cs336_sources"])
+    groups = {b["extra_info"]["group"] for b in data["benchmarks"]}
+    assert groups == set(data["cs336_groups"])
+
+
+# --- what a comparison against a baseline must have compared ----------------------------------------------
+
+def test_coverage_fails_a_comparison_of_nothing_and_a_group_the_baseline_lacks():
+    base = baseline.merge_runs([_run_json("H100", [("a", 1.0), ("b", 1.0)], group="g1")])
+    both = baseline.coverage({"a": "g1", "b": "g1"}, [base])
+    assert (both.compared, both.problems(), both.missing) == (2, [], [])
+    none = baseline.coverage({"x": None}, [base])
+    assert none.compared == 0 and "compared none of the 1 case(s) this run timed" in none.problems()[0]
+    assert "compared none" in baseline.coverage({}, []).problems()[0]  # nothing timed, or no baseline loaded
+    other = baseline.coverage({"a": "g1", "c": "g2", "d": "g2"}, [base])
+    assert other.compared == 1
+    assert other.problems() == ["the baseline does not cover group(s) g2 (2 case(s)); it covers g1. Refresh it "
+                                "with those groups"]
+    new_case = baseline.coverage({"a": "g1", "e": "g1"}, [base])  # a case added to a covered group: listed
+    assert new_case.problems() == [] and new_case.missing == ["e"]
+
+
+def test_a_compare_that_matches_no_case_of_the_run_fails_the_session(sleepy, monkeypatch):
+    _run(sleepy, monkeypatch, 0.001, "--benchmark-save=base").assert_outcomes(passed=1)
+    sleepy.makepyfile(test_sleepy=SLEEPY.replace("def test_sleep(", "def test_renamed("))
+    result = _run(sleepy, monkeypatch, 0.001, "--benchmark-compare=0001")
+    result.assert_outcomes(passed=1)
+    assert result.ret == 1
+    assert "--benchmark-compare compared none of the 1 case(s) this run timed" in result.stdout.str()
+    missing = _run(sleepy, monkeypatch, 0.001, "--benchmark-compare=0042")  # no such saved run at all
+    assert missing.ret == 1 and "compared none" in missing.stdout.str()
+
+
+def test_a_benchmark_json_that_cannot_be_written_is_a_usage_error_before_any_case(sleepy, monkeypatch, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for bad in (tmp_path / "no_such_dir" / "run.json", tmp_path / "a_file" / "run.json", tmp_path):
+        result = _run(sleepy, monkeypatch, 0.001, f"--benchmark-json={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, bad
+        assert f"--benchmark-json={bad}: cannot write there" in result.stderr.str()
+        assert "passed" not in result.stdout.str()  # refused before the first case ran
+    good = tmp_path / "run.json"
+    _run(sleepy, monkeypatch, 0.001, f"--benchmark-json={good}").assert_outcomes(passed=1)
+    assert json.loads(good.read_text())["benchmarks"]

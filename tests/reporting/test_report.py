@@ -595,6 +595,36 @@ def test_compare_rejects_bad_threshold_and_argument_mixes(tmp_path, capsys):
             raise AssertionError(f"{argv} accepted")
 
 
+def _with_commit(path, commit, dirty):
+    data = json.loads(path.read_text())
+    data["commit_info"] = {"id": commit, "dirty": dirty}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_compare_names_each_runs_commit_and_warns_about_a_dirty_one(tmp_path):
+    old, new = _compare_pair(tmp_path, new_machine=H200)
+    _with_commit(old, "15751cf0123456789abcdef0123456789abcdef0", False)
+    _with_commit(new, "a8b43aa0123456789abcdef0123456789abcdef0", True)
+    text = run_compare.compare_runs(old, new)
+    assert f"| old | {old} | 15751cf012 |" in text and f"| new | {new} | a8b43aa012 (dirty) |" in text
+    assert f"**Warning: new ({new}) saved from a work tree with uncommitted changes" in text
+    _with_commit(new, "a8b43aa0123456789abcdef0123456789abcdef0", False)
+    assert "Warning" not in run_compare.compare_runs(old, new)
+
+
+def test_report_names_each_runs_commit_and_marks_a_dirty_one(tmp_path):
+    clean = _with_commit(_run(tmp_path, "clean.json", [_bench("small", 128, "forward", "fp32", False, 0.01)]),
+                         "15751cf0123456789abcdef0123456789abcdef0", False)
+    dirty = _with_commit(_run(tmp_path, "dirty.json", [_bench("small", 256, "forward", "fp32", False, 0.02)]),
+                         "a8b43aa0123456789abcdef0123456789abcdef0", True)
+    out = tmp_path / "report.md"
+    assert report.main([str(clean), str(dirty), "-o", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if "clean.json" in line or "dirty.json" in line]
+    assert any("| 15751cf012 |" in r for r in rows if "clean.json" in r)
+    assert any("| a8b43aa012 (dirty) |" in r for r in rows if "dirty.json" in r)
+
+
 # --- the README's generated Results block (--readme) ---------------------------------------------------
 
 README = """# Project

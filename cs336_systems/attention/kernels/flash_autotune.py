@@ -23,6 +23,12 @@ against the default configuration's output (a wrong result disqualifies it) and 
 skipped.  Each kernel is timed alone, on the same inputs, so the three choices are independent.  The
 cache is a JSON file, `$CS336_FLASH_CACHE` or ~/.cache/cs336_systems/flash-autotune.json, keyed by GPU
 name and Triton version, then by `ShapeKey.text()`.
+
+The cache file is only ever rewritten when it is a readable cache (or missing, or empty): a file that does
+not parse, or is some other JSON (CS336_FLASH_CACHE pointed at the wrong file), is left untouched and the
+new entries go to a file beside it, ``<path>.new`` (or ``<path>.new.1``, ... if that one is taken by
+something else too), with a warning naming both.  ``CS336_FLASH_AUTOTUNE`` must be unset, "0" or "1"
+(anything else is a ValueError listing those), read when a call's shape is first selected.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +54,7 @@ from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, Til
 from cs336_systems.cli_args import unwritable_reason
 
 AUTOTUNE_ENV = "CS336_FLASH_AUTOTUNE"
+AUTOTUNE_VALUES = ("0", "1")  # unset or empty counts as "0"
 CACHE_ENV = "CS336_FLASH_CACHE"
 
 _selected: dict[tuple[ShapeKey, str], dict[str, TileConfig]] = {}
@@ -67,17 +75,70 @@ def device_id(device: torch.device) -> str:
     return f"{name} | triton {triton.__version__}"
 
 
+def autotune_requested() -> bool:
+    """``CS336_FLASH_AUTOTUNE``: unset, "" or "0" -> False, "1" -> True; anything else is a ValueError."""
+    value = os.environ.get(AUTOTUNE_ENV, "")
+    if value not in ("", *AUTOTUNE_VALUES):
+        raise ValueError(f"{AUTOTUNE_ENV} must be one of {', '.join(AUTOTUNE_VALUES)} (or unset), got {value!r}")
+    return value == "1"
+
+
+_CACHE_SHAPE = "expected {device: {shape key: {kernel: config}}}"
+
+
+def _parse_cache_file(path: Path) -> tuple[dict[str, dict[str, dict[str, str]]] | None, str | None]:
+    """(cache, None) for a missing or empty file or a readable cache; (None, why) otherwise (no output)."""
+    try:
+        text = path.read_text() if path.exists() else ""
+        data = json.loads(text) if text.strip() else {}
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError(_CACHE_SHAPE)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        return None, str(exc)
+    return data, None
+
+
 def _read_cache_file(path: Path) -> dict[str, dict[str, dict[str, str]]]:
     """The cache file's {device id: {shape key: {kernel: config text}}}; {} (with a note) if unusable."""
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-            raise ValueError("expected {device: {shape key: {kernel: config}}}")
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+    data, problem = _parse_cache_file(path)
+    if data is None:
         # A corrupt cache only costs re-tuning; say so rather than failing the attention call.
-        print(f"flash_autotune: ignoring unreadable cache {path}: {exc}", file=sys.stderr)
+        print(f"flash_autotune: ignoring unreadable cache {path}: {problem}", file=sys.stderr)
         return {}
     return data
+
+
+def _foreign(data: dict) -> str | None:
+    """Why a parsed file is not this tuner's cache (to be rewritten), or None: every top-level key must be a
+    device id ("<GPU> | triton <version>") holding {shape key: {kernel: config}}."""
+    for device, entries in data.items():
+        if " | triton " not in device:
+            return f"key {device!r} is not a device id '<GPU> | triton <version>'"
+        if not all(isinstance(entry, dict) for entry in entries.values()):
+            return f"entries of {device!r} are not {{kernel: config}} objects"
+    return None
+
+
+def _writable_cache(path: Path) -> tuple[Path, dict[str, dict[str, dict[str, str]]]]:
+    """The file to write the cache to and its current contents: ``path`` itself when it is missing, empty
+    or a readable cache; otherwise the first of ``<path>.new``, ``<path>.new.1``, ... that is (with a
+    warning: the file at ``path`` is never overwritten)."""
+    data, problem = _parse_cache_file(path)
+    if data is not None:
+        problem = _foreign(data)
+        if problem is None:
+            return path, data
+    for index in range(100):
+        beside = path.with_name(path.name + (".new" if index == 0 else f".new.{index}"))
+        other, _ = _parse_cache_file(beside)
+        if other is not None and _foreign(other) is None:
+            warnings.warn(
+                f"flash_autotune: {path} ({CACHE_ENV}) is not a readable autotune cache ({problem}); it is left "
+                f"untouched and the tuned configurations are saved to {beside} instead: fix or remove {path}, "
+                f"or point {CACHE_ENV} at {beside}", RuntimeWarning, stacklevel=3)
+            return beside, other
+    raise RuntimeError(f"flash_autotune: {path} is not a readable autotune cache ({problem}) and no free file "
+                       f"beside it ({path.name}.new ... .new.99) to save to")
 
 
 def _load_cache() -> dict[str, dict[str, dict[str, str]]]:
@@ -110,11 +171,11 @@ def _store_cache(device: torch.device, key: ShapeKey, chosen: dict[str, TileConf
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        cache = _read_cache_file(path)
+        target, cache = _writable_cache(path)  # never the file at path when it is not a readable cache
         cache.setdefault(device_id(device), {})[key.text()] = {kernel: cfg.short() for kernel, cfg in chosen.items()}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)
+        tmp.replace(target)
     _cache = cache
 
 
@@ -140,14 +201,16 @@ def select(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dty
            device: torch.device, *, may_tune: bool = False) -> dict[str, TileConfig]:
     """The configuration of each kernel for this call (see the module docstring for the order)."""
     if interpreter_active():
+        autotune_requested()  # validated here too, though nothing is tuned in the interpreter
         return configs.INTERPRETER
     key = ShapeKey.of(bh, n_queries, n_keys, head_dim, dtype, causal)
     memo_key = (key, str(device))
     chosen = _selected.get(memo_key)
     if chosen is not None:
         return chosen
+    tune_on_miss = autotune_requested()  # once per shape bucket, before the cache lookup: a typo always shows
     chosen = cached(key, device)
-    if chosen is None and may_tune and os.environ.get(AUTOTUNE_ENV, "0") == "1":
+    if chosen is None and may_tune and tune_on_miss:
         chosen = tune(bh, n_queries, n_keys, head_dim, dtype, causal, device).chosen
     if chosen is None:
         chosen = configs.tuned_for_device(key, device) or configs.default_config(key)

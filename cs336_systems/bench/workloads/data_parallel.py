@@ -22,8 +22,8 @@ of random tokens (different on every rank) and the model built from one seed:
 A step is: zero_grad(set_to_none=True), forward + cross-entropy under autocast, backward,
 ``finish_gradient_synchronization()`` where the wrapper has one, optimizer.step().
 
-Recorded per step (the benchmark keeps, of ``sync_s``, the median over the measured rounds of the slowest
-rank's value, and of ``memory`` the last measured round's, maximum over ranks):
+Recorded (the benchmark keeps, of ``sync_s``, the median over the measured rounds of the slowest rank's
+value, and of ``memory`` the maximum over ranks):
   ``sync_s``  time inside finish_gradient_synchronization() with the wrapper's ``record_timing`` (on CUDA:
               events on the compute stream, no host synchronization in the step): from the end of
               backward's kernels to the end of synchronization, so for naive/flat it is the
@@ -32,11 +32,14 @@ rank's value, and of ``memory`` the last measured round's, maximum over ranks):
   ``memory``  (CUDA only) bytes allocated after construction, the peak up to right before
               optimizer.step() and right after it, and a breakdown at the point before the step:
               parameters, gradients, optimizer state (all local to the rank) and activations/other (the
-              rest of that peak).  The step resets the CUDA peak counter at its start, so these are
-              per-step peaks.
+              rest of that peak).  Recorded by one extra step after the measured rounds
+              (`DistributedTrainStep.record_memory`, untimed: the timed step does no bookkeeping), which
+              resets the CUDA peak counter at its start, so these are per-step peaks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -163,9 +166,41 @@ class DistributedTrainStep:
         state = getattr(self.optimizer, "optim", self.optimizer).state  # ZeroRedundancyOptimizer wraps .optim
         return sum(_tensor_bytes(_local(v) for v in s.values() if torch.is_tensor(v)) for s in state.values())
 
+    def _record_breakdown(self) -> None:
+        """The memory breakdown at the point right before optimizer.step() (see record_memory)."""
+        params = self._local_params()
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        if isinstance(self.optimizer, ShardedOptimizer):
+            grads += self.optimizer.gradient_tensors()  # zero1 with overlap released p.grad at packing
+        peak_before = torch.cuda.max_memory_allocated(self.device)
+        p_bytes, g_bytes, o_bytes = _tensor_bytes(params), _tensor_bytes(grads), self._optimizer_state_bytes()
+        self.memory.update(
+            peak_before_step=peak_before, parameters=p_bytes, gradients=g_bytes, optimizer_state=o_bytes,
+            activations_other=max(peak_before - p_bytes - g_bytes - o_bytes, 0),
+        )
+
+    def record_memory(self) -> dict[str, int]:
+        """Run one more step, untimed, recording ``memory`` (CUDA only; the module docstring lists the fields)
+        on the way, and return it ({} on other devices).
+
+        The timed step does no bookkeeping: walking every parameter, gradient and optimizer-state tensor
+        (``DTensor.to_local()`` on each, under torch-fsdp2) costs milliseconds of host time, different per
+        variant, that would land inside the measured rounds.  Every step of a case allocates alike, so one
+        recorded step after the measured rounds gives the same numbers.  Collective, like the step.
+        """
+        if not self.cuda:
+            return {}
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._step(before_optimizer_step=self._record_breakdown)
+        self.memory["peak_step"] = torch.cuda.max_memory_allocated(self.device)
+        self.memory["allocated_after_step"] = torch.cuda.memory_allocated(self.device)
+        return dict(self.memory)
+
     def __call__(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        """One training step, as timed: nothing but the step (memory: `record_memory`)."""
+        self._step()
+
+    def _step(self, before_optimizer_step: Callable[[], None] | None = None) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         with amp.autocast(self.precision, self.device):
             logits = self.model(self.tokens)  # (B, T, V)
@@ -177,67 +212,69 @@ class DistributedTrainStep:
         if self.wrapper is not None:
             self.wrapper.finish_gradient_synchronization()
             self.last_sync = getattr(self.wrapper, "last_sync", None)
-        if self.cuda:
-            params = self._local_params()
-            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-            if isinstance(self.optimizer, ShardedOptimizer):
-                grads += self.optimizer.gradient_tensors()  # zero1 with overlap released p.grad at packing
-            peak_before = torch.cuda.max_memory_allocated(self.device)
-            p_bytes, g_bytes, o_bytes = _tensor_bytes(params), _tensor_bytes(grads), self._optimizer_state_bytes()
-            self.memory.update(
-                peak_before_step=peak_before, parameters=p_bytes, gradients=g_bytes, optimizer_state=o_bytes,
-                activations_other=max(peak_before - p_bytes - g_bytes - o_bytes, 0),
-            )
+        if before_optimizer_step is not None:
+            before_optimizer_step()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        if self.cuda:
-            self.memory["peak_step"] = torch.cuda.max_memory_allocated(self.device)
-            self.memory["allocated_after_step"] = torch.cuda.memory_allocated(self.device)
 
 
 def train_case(device: torch.device, case: dict) -> dict:
-    """Collective perf-case body for the data_parallel suite.  Returns what rank 0 records."""
+    """Collective perf-case body for the data_parallel suite.  Returns what rank 0 records.
+
+    The timed rounds run the bare step; what is recorded besides the times (the slowest rank's sync time per
+    round, the memory breakdown of one extra recorded step, the bucket count) is gathered after them, untimed
+    (``after_rounds``).  A failure on any rank ends the case on every rank with status "oom" or "error"
+    (`cs336_systems.bench.rank_timing`).
+    """
     import statistics
 
     from cs336_systems.bench import rank_timing as timing
 
-    steps: list[DistributedTrainStep] = []
     sync: list = []  # SyncStats per round, resolved after the measurement (reading one waits for its events)
 
-    def setup() -> DistributedTrainStep:
+    def setup():
         step = DistributedTrainStep(
             variant=case["variant"], size=case["size"], context=case["context"], batch_size=case["batch_size"],
             precision=case["precision"], device=device, bucket_size_mb=case.get("bucket_size_mb"),
         )
-        steps.append(step)
 
         def run() -> None:
             step()
             if step.last_sync is not None:
                 sync.append(step.last_sync)
 
+        run.train_step = step  # for after_rounds; the harness holds the only reference (rank_timing)
         return run
 
-    measured = timing.measure_across_ranks(setup, warmup=case["warmup"], rounds=case["rounds"], device=device)
+    def after_rounds(run) -> dict:
+        step: DistributedTrainStep = run.train_step
+        out: dict = {}
+        if sync:
+            measured_sync = [s.finish_time_s for s in sync[case["warmup"]:]]  # the measured rounds' values
+            out["sync_s"] = [max(col) for col in zip(*timing.gather_floats(measured_sync, device))]
+        memory = step.record_memory()  # one more step, untimed
+        if memory:
+            gathered = timing.gather_floats([float(v) for v in memory.values()], device)
+            out["memory_gib"] = {k: max(r[i] for r in gathered) / 2**30 for i, k in enumerate(memory)}
+        if step.wrapper is not None and hasattr(step.wrapper, "num_buckets"):
+            out["num_buckets"] = step.wrapper.num_buckets
+        elif getattr(step.optimizer, "num_buckets", None) is not None:  # zero1's reduce-scatter buckets
+            out["num_buckets"] = step.optimizer.num_buckets
+        return out
+
+    measured = timing.measure_across_ranks(setup, warmup=case["warmup"], rounds=case["rounds"], device=device,
+                                           after_rounds=after_rounds)
     if measured.status != "ok":
         return {"status": measured.status, "error": measured.error}
     extra: dict = {"rank_median_ms": [m * 1e3 for m in measured.rank_medians_s]}
-    step = steps[-1]
-    if sync:
-        measured_sync = [s.finish_time_s for s in sync[case["warmup"]:]]  # the measured rounds' values
-        slowest = [max(col) for col in zip(*timing.gather_floats(measured_sync, device))]
-        sync_median = statistics.median(slowest)
+    after = dict(measured.after)
+    if "sync_s" in after:
+        sync_median = statistics.median(after.pop("sync_s"))
         extra["sync_ms"] = sync_median * 1e3
         extra["sync_share"] = sync_median / statistics.median(measured.times_s)
-    if step.memory:
-        gathered = timing.gather_floats([float(v) for v in step.memory.values()], device)
-        extra["memory_gib"] = {k: max(r[i] for r in gathered) / 2**30 for i, k in enumerate(step.memory)}
-    if step.wrapper is not None and hasattr(step.wrapper, "num_buckets"):
-        extra["num_buckets"] = step.wrapper.num_buckets
-    elif getattr(step.optimizer, "num_buckets", None) is not None:  # zero1's reduce-scatter buckets
-        extra["num_buckets"] = step.optimizer.num_buckets
+    extra.update(after)
     return {"status": "ok", "times_s": measured.times_s, "peak_memory_bytes": measured.peak_memory_bytes,
             "extra_info": extra}
