@@ -249,6 +249,11 @@ class _Run:
         failures = [RankFailure(**json.loads(self.store.get(f"{self.namespace}/failure/{r}")))
                     for r in self.failed_ranks]
         self.stop()
+        # Ranks that did not fail still hold the old group: every rank tears it down, and no rank makes the
+        # new one until all have (a gloo teardown shuts down connections to the peers' addresses, which
+        # would cut a peer's new group while it connects).
+        launch.tear_down_default_group()
+        self.control.allreduce([torch.zeros(1)]).wait()
         self.spec.reinit(self.namespace)
         _CONTROL["key"] = _group_key()  # the side group outlives the default group it was made with
         return failures
