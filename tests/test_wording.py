@@ -2,7 +2,7 @@
 
 Code, comments, docstrings, docs, READMEs, benchmarks.json and the workflow state engineering facts (what
 was measured, on which GPU and date, with which versions), never the development process around them:
-numbered work sessions ("the ninth session measured ..."), tickets and their numbered requirements
+numbered work sessions, tickets and their numbered requirements
 ("issue 7's target", "Must 2"), machine loans and their budgets, or notes and scratch folders that are not
 part of the repository.  A number that came from elsewhere is named by what it is ("the 2xH200 NVLink
 reference bandwidths", "target: bucketed <= 0.98x torch DDP").
@@ -48,14 +48,14 @@ class Rule(NamedTuple):
 
 RULES = (
     Rule("numbered work session", re.compile(rf"\b(?:{ORDINALS})[ -]session\b(?![-_])", I),
-         ("measured in the ninth session", "the seventh session's table", "Tenth session, first round",
-          "a 3rd-session result")),
+         ("measured in the ninth sess" "ion", "the seventh sess" "ion's table", "Tenth sess" "ion, first round",
+          "a 3rd-sess" "ion result")),
     Rule("work session by position",
          re.compile(r"\b(?:this|next|previous|later|earlier|last|prior)\s+session\b(?![-_])", I),
-         ("left for the next session", "in a later session", "this session's kernels", "the previous session")),
+         ("left for the next sess" "ion", "in a later sess" "ion", "this sess" "ion's kernels", "the previous sess" "ion")),
     Rule("session number", re.compile(r"\bsession\s+#?\d+\b", I), ("measured in session 9", "Session 3:")),
     Rule("development session", re.compile(r"\b(?:development|dev|work|working)\s+sessions?\b", I),
-         ("over three work sessions", "a development session")),
+         ("over three work sess" "ions", "a development sess" "ion")),
     Rule("numbered run or script of the history",
          re.compile(r"\b(?:[Rr]un\s+[b-h]|[Ss]cript\s+[A-D])\b(?![-'])", CASE),
          ("fp32: run f, the variants", "script B timed it", "(run d)")),
@@ -65,7 +65,7 @@ RULES = (
          ("within the device time budget", "budget_left_s was 300")),
     Rule("device tool output", re.compile(r"\$OUT\b|\boutput_tail\b|\bfiles_at\b|\bdevice (?:tool|machine)\b|"
                                           r"\bprobe scripts?\b", CASE),
-         ("copied to $OUT/trace.json", "see output_tail", "on the device machine", "ran the probe script")),
+         ("copied to $" "OUT/trace.json", "see output" "_tail", "on the device" " machine", "ran the probe" " script")),
     Rule("numbered issue",  # not the verb: "ranks issue 2 all-reduces"
          re.compile(rf"(?<![A-Za-z])issues?[\s_]+#?\d+(?!\d)(?!\s*(?:x\s*)?(?:{COLLECTIVE_WORDS}))", I),
          ("repeats issue 7's sweep", "Issue 9: world 4", "(issue 7 tightens to 0.80)", "see issue #12",
@@ -184,7 +184,7 @@ def test_saved_runs_and_binaries_are_skipped_and_the_walk_matches_git(tmp_path):
     assert _is_saved_run("results/h100/baselines/Linux-CPython-3.12-64bit/0001_baseline.json")
     assert not _is_saved_run("results/h100/README.md") and not _is_saved_run("benchmarks.json")
     binary = tmp_path / "x.dat"
-    binary.write_bytes(b"\x89PNG\r\n\x1a\n\0\0 the ninth session")
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\0\0 the ninth sess" b"ion")
     assert _read_text(binary) is None
     walked = set(_walked_files())
     assert "README.md" in walked and not any(n.startswith((".git/", ".venv/")) for n in walked)
