@@ -14,8 +14,12 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 def reference(q, k, v, is_causal):
-    """float64 (o, lse) with the handout's -1e6 mask, independent of the package's code."""
+    """float64 (o, lse) with the handout's -1e6 mask, independent of the package's code.  K/V with fewer
+    heads (dim -3) than q are repeated for each group of query heads (grouped-query attention)."""
     q, k, v = q.double(), k.double(), v.double()
+    if q.shape[:-2] != k.shape[:-2]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     s = torch.einsum("...qd,...kd->...qk", q, k) / math.sqrt(q.shape[-1])
     if is_causal:
         i = torch.arange(q.shape[-2], device=q.device)[:, None]

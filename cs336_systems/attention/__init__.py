@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cs336_systems.attention.checks import check_is_causal, check_qkv
+from cs336_systems.attention.checks import check_is_causal, check_qkv, is_gqa
 
 AttentionFn = Callable[..., torch.Tensor]
 # unsupported(q, k, v, is_causal) -> None if the implementation computes these inputs, else the reason
@@ -59,6 +59,7 @@ class AttentionImpl:
     description: str = ""
     unsupported: UnsupportedFn = _always_supported
     head_dims: tuple[int, ...] | None = None
+    gqa: bool = False
 
 
 _REGISTRY: dict[str, AttentionImpl] = {}
@@ -72,14 +73,16 @@ def register(
     description: str = "",
     unsupported: UnsupportedFn | None = None,
     head_dims: tuple[int, ...] | None = None,
+    gqa: bool = False,
 ) -> None:
     """Register ``fn`` under ``name``; ``available(device)`` says whether it can run on that device,
-    ``unsupported(q, k, v, is_causal)`` why it cannot compute given inputs there (None: it can)."""
+    ``unsupported(q, k, v, is_causal)`` why it cannot compute given inputs there (None: it can); ``gqa``
+    whether it takes k and v with fewer heads than q (grouped-query attention)."""
     if name in _REGISTRY:
         raise ValueError(f"attention implementation {name!r} is already registered")
     _REGISTRY[name] = AttentionImpl(
         name=name, fn=fn, available=available or _always_available, description=description,
-        unsupported=unsupported or _always_supported, head_dims=head_dims,
+        unsupported=unsupported or _always_supported, head_dims=head_dims, gqa=gqa,
     )
 
 
@@ -118,9 +121,18 @@ def check_available(name: str, device: torch.device | str, *, head_dim: int | No
     if head_dim is not None and impl.head_dims is not None and head_dim not in impl.head_dims:
         takes = [n for n in available(device) if _REGISTRY[n].head_dims is None or head_dim in _REGISTRY[n].head_dims]
         raise ValueError(
-            f"attention implementation {name!r} supports head dims {impl.head_dims}, got head_dim={head_dim}; "
+            f"attention implementation {name!r} supports head dims {_dims_text(impl.head_dims)}, got "
+            f"head_dim={head_dim}; "
             f"available on device {device} for head_dim={head_dim}: {', '.join(takes) or 'none'}")
     return impl
+
+
+def _dims_text(dims: tuple[int, ...]) -> str:
+    """(8, 16, ..., 256) -> "multiples of 8 from 8 to 256"; other sets as the tuple."""
+    step = dims[1] - dims[0] if len(dims) > 2 else 0
+    if step > 0 and dims == tuple(range(dims[0], dims[-1] + 1, step)) and dims[0] == step:
+        return f"multiples of {step} from {dims[0]} to {dims[-1]}"
+    return str(dims)
 
 
 def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> AttentionImpl:
@@ -129,10 +141,16 @@ def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     ValueError naming the implementation, the device and the alternatives otherwise; plain Python on shapes,
     dtypes and devices (no device synchronization)."""
     impl = get(name)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, allow_gqa=True)
     check_is_causal(is_causal)
     device = q.device
     check_available(name, device, head_dim=q.shape[-1])
+    if is_gqa(q, k) and not impl.gqa:
+        others = [n for n in available(device) if _REGISTRY[n].gqa]
+        raise ValueError(
+            f"attention implementation {name!r} does not support grouped-query attention (q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}: {q.shape[-3]} query heads, {k.shape[-3]} K/V heads); implementations that "
+            f"do on device {device}: {', '.join(others) or 'none'}")
     reason = impl.unsupported(q, k, v, is_causal)
     if reason is not None:
         others = [n for n in available(device) if n != name and _REGISTRY[n].unsupported(q, k, v, is_causal) is None]
@@ -161,12 +179,12 @@ def _flash_triton_available(device: torch.device) -> bool:
 
 def _flash_triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
     # Mirrors flash_triton's own checks without importing Triton (the Function raises the same errors).
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, head_dims_text
 
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"flash-triton supports float32, bfloat16, float16; got dtype {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
-        return f"flash-triton supports head dims {HEAD_DIMS}; got d={q.shape[-1]}"
+        return f"flash-triton supports head dims that are {head_dims_text()}; got d={q.shape[-1]}"
     if q.dtype == torch.bfloat16 and (q.device.type != "cuda" or _triton_interpreted()):
         return ("flash-triton cannot compute bfloat16 under Triton's interpreter (TRITON_INTERPRET=1: the "
                 "interpreter's bf16 tl.dot is wrong); use float32 or float16 there, or a CUDA device")
@@ -212,19 +230,20 @@ def _flash_triton_head_dims() -> tuple[int, ...]:
 def _register_builtin() -> None:
     from cs336_systems.attention import flash_pytorch, naive, sdpa
 
-    register("naive", naive.naive_attention, description="matmul, mask, softmax, matmul (reference)")
-    register("naive-compiled", naive.naive_attention_compiled, description="torch.compile of naive")
-    register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention")
+    register("naive", naive.naive_attention, description="matmul, mask, softmax, matmul (reference)", gqa=True)
+    register("naive-compiled", naive.naive_attention_compiled, description="torch.compile of naive", gqa=True)
+    register("sdpa", sdpa.sdpa_attention, description="torch.nn.functional.scaled_dot_product_attention", gqa=True)
     for name, backend in sdpa.PINNED_BACKENDS.items():
+        # GQA through enable_gqa=True; a backend that cannot take it says so through `unsupported`
         register(name, sdpa.pinned(name), available=sdpa.cuda_only, description=f"SDPA pinned to {backend.name}",
-                 unsupported=_pinned_unsupported(name))
+                 unsupported=_pinned_unsupported(name), gqa=True)
     register(
         "flash-pytorch", flash_pytorch.flash_attention_pytorch,
         description="FlashAttention-2 in plain PyTorch tiles, compiled recomputing backward (debug reference)",
     )
     register(
         "flash-triton", _flash_triton, available=_flash_triton_available, unsupported=_flash_triton_unsupported,
-        head_dims=_flash_triton_head_dims(),
+        head_dims=_flash_triton_head_dims(), gqa=True,
         description="FlashAttention-2 forward and backward in Triton (cs336_systems.attention.flash_triton)",
     )
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError naming the offending argument and the shapes involved."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allow_gqa: bool = False) -> None:
+    """Raise ValueError naming the offending argument and the shapes involved.
+
+    ``allow_gqa``: k and v may have fewer heads (dim -3) than q, a divisor of q's (grouped-query attention:
+    query head h reads K/V head h // (Hq // Hkv)); the other leading dims still match."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -32,9 +35,24 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same length Nk (dim -2); got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise ValueError(f"leading (batch/head) dims must match across q, k, v; got q {tuple(q.shape)}, "
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"leading (batch/head) dims must match across k and v; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[:-2] == k.shape[:-2]:
+        return
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if allow_gqa and q.dim() == k.dim() >= 3 and q.shape[:-3] == k.shape[:-3]:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv and hq % hkv == 0:
+            return
+        raise ValueError(f"grouped-query attention needs the K/V head count (dim -3) to divide the query head "
+                         f"count; got {hq} query heads and {hkv} K/V heads ({shapes})")
+    raise ValueError(f"leading (batch/head) dims must match across q, k, v{' (or differ only in the head dim -3, for grouped-query attention)' if allow_gqa else ''}; got {shapes}")
+
+
+def is_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k has fewer heads than q (inputs already passed `check_qkv(..., allow_gqa=True)`)."""
+    return q.shape[:-2] != k.shape[:-2]
 
 
 def check_is_causal(is_causal: object) -> None:

@@ -1,7 +1,12 @@
 """FlashAttention-2 in Triton: launchers, torch.library ops and the autograd.Function.
 
     FlashAttentionTriton.apply(q, k, v, is_causal=False) -> o
-    q: (..., Nq, d)   k, v: (..., Nk, d)   o: (..., Nq, d)   d in {16, 32, 64, 128}
+    q: (..., Nq, d)   k, v: (..., Nk, d)   o: (..., Nq, d)   d a multiple of 8, 8 <= d <= 256
+
+Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv dividing Hq; query head h reads
+K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
+inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
+register tile with the padding columns masked (`flash_configs.block_d`).
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).
@@ -40,7 +45,7 @@ from cs336_systems.attention.kernels import flash_kernels
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
-from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
+from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, head_dims_text
 from cs336_systems.attention.kernels.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
@@ -117,12 +122,13 @@ def _eager(t: torch.Tensor) -> bool:
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: object) -> bool:
     """ValueError naming what flash-triton cannot take; returns True for an empty problem (no queries or an
     empty batch: nothing to launch).  Plain Python on shapes, dtypes and devices: no device work."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, allow_gqa=True)
     if is_causal is not True and is_causal is not False:
         raise ValueError(f"is_causal must be a bool (True or False), got {is_causal!r} ({type(is_causal).__name__})")
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash-triton supports head dims {SUPPORTED_HEAD_DIMS}; got d={d} (q shape {tuple(q.shape)})")
+        raise ValueError(f"flash-triton supports head dims that are {head_dims_text()}; got d={d} "
+                         f"(q shape {tuple(q.shape)})")
     dtype = q.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"flash-triton supports float32, bfloat16, float16; got dtype {dtype}")

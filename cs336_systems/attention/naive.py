@@ -1,6 +1,8 @@
 """The reference attention: scores by matmul, causal mask, softmax, matmul.
 
-Shapes: q (..., Nq, d), k and v (..., Nk, d) -> o (..., Nq, d).
+Shapes: q (..., Nq, d), k and v (..., Nk, d) -> o (..., Nq, d).  Grouped-query attention: k and v may have
+fewer heads (dim -3) than q, a divisor of q's; each K/V head is repeated for its group of query heads
+(materialized: this is the reference, not a fast path).
 
 Each step runs inside an NVTX range ("attention scores", "softmax", "final matmul") so a profiler can
 attribute time to the sub-steps.  Masked scores are set to -1e6 (the handout's convention) rather than
@@ -29,6 +31,9 @@ def naive_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
 ) -> torch.Tensor:
     d = q.shape[-1]
+    if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and k.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]  # query head h reads K/V head h // group
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     with nvtx_range("attention scores"):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (..., Nq, Nk)
         if is_causal:

@@ -10,7 +10,8 @@ it does not support) makes SDPA fail with "No available kernel"; `unsupported_re
 dispatch checks (``torch.backends.cuda.can_use_*``) first, so the registry's `attention()` and the model
 can refuse such inputs with the reason before calling.  Empty problems (no queries, no keys or an empty
 batch) never reach the fused kernels, pinned or not: they get the reference computation, which handles them (zeros
-where a query sees no key, empty where there is no query), with gradients.
+where a query sees no key, empty where there is no query), with gradients.  Grouped-query attention (k, v with
+fewer heads in dim -3 than q) goes through SDPA's ``enable_gqa=True``, on inputs folded to (B, H, N, d).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ def sdpa_attention(
     if not q.numel() or not k.shape[-2]:
         # empty problems: the reference computation (on CUDA, SDPA returns None for an empty 4-D batch)
         return naive_attention(q, k, v, is_causal)
+    if _gqa(q, k):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[:-2] != k.shape[:-2]
 
 
 def _fold(t: torch.Tensor) -> torch.Tensor:
@@ -43,10 +50,20 @@ def _fold(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[:-2].numel(), 1, t.shape[-2], t.shape[-1])
 
 
+def _fold_heads(t: torch.Tensor) -> torch.Tensor:
+    """(..., H, N, d) -> (B, H, N, d), keeping the head dim apart (grouped-query attention pairs heads)."""
+    return t.reshape(t.shape[:-3].numel(), t.shape[-3], t.shape[-2], t.shape[-1])
+
+
 def _pinned(backend: SDPBackend, q, k, v, is_causal: bool = False) -> torch.Tensor:
     if not q.numel() or not k.shape[-2]:
         # no queries, no keys or an empty batch: nothing for a fused kernel to do (and some refuse it)
         return naive_attention(q, k, v, is_causal)
+    if _gqa(q, k):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(_fold_heads(q), _fold_heads(k), _fold_heads(v), is_causal=is_causal,
+                                                 enable_gqa=True)
+        return out.reshape(q.shape[:-1] + (v.shape[-1],))
     if q.dim() == 4:
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
@@ -89,7 +106,9 @@ def unsupported_reason(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     check = getattr(torch.backends.cuda, _CAN_USE[name], None)
     if check is None:  # an older PyTorch without this query: let the call decide
         return None
-    params = torch.backends.cuda.SDPAParams(_fold(q), _fold(k), _fold(v), None, 0.0, bool(is_causal), False)
+    gqa = _gqa(q, k)
+    fold = _fold_heads if gqa else _fold
+    params = torch.backends.cuda.SDPAParams(fold(q), fold(k), fold(v), None, 0.0, bool(is_causal), gqa)
     if check(params, False):
         return None
     with warnings.catch_warnings(record=True) as caught:

@@ -163,6 +163,8 @@ _ATTENTION_GRID = {
     "impls": Key(_one_of(_attention_names), axis=True),
     "batch_sizes": Key(_positive_int, axis=True),
     "heads": Key(_optional(_positive_int), axis=True, required=False, default=[None]),
+    # K/V heads for grouped-query attention (a divisor of heads; null: as many as the query heads)
+    "kv_heads": Key(_optional(_positive_int), axis=True, required=False, default=[None]),
     "seq_lens": Key(_positive_int, axis=True),
     "head_dims": Key(_positive_int, axis=True),
     "dtypes": Key(_one_of(ATTENTION_DTYPES), axis=True),
@@ -253,6 +255,7 @@ _SINGULAR = {
     "warmup": "warmup",
     "impls": "impl",
     "heads": "heads",
+    "kv_heads": "kv_heads",
     "seq_lens": "seq_len",
     "head_dims": "head_dim",
     "dtypes": "dtype",
@@ -273,7 +276,7 @@ _SINGULAR = {
 # group) say how long or in which run a case is measured, not which case it is.
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
-    ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
+    ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
     ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
@@ -362,7 +365,19 @@ def _no_fp16_on_sharded_variants(grid: dict, where: str) -> None:
                           "ranks would skip different steps; use bf16 or fp32")
 
 
-_GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants)
+def _kv_heads_divide_heads(grid: dict, where: str) -> None:
+    kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
+    if not kv_heads:
+        return
+    bad = [(h, kv) for h in grid.get("heads", ()) for kv in kv_heads if h is None or h % kv]
+    if bad:
+        # grouped-query attention pairs each K/V head with heads / kv_heads query heads
+        raise MatrixError(f"{where}: kv_heads must divide heads (grouped-query attention); heads {bad[0][0]} with "
+                          f"kv_heads {bad[0][1]} cannot be grouped")
+
+
+_GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
+               _kv_heads_divide_heads)
 
 
 def case_fields(suite: str) -> set[str]:

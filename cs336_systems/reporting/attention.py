@@ -73,10 +73,10 @@ def attention_sweep_tables(entries: list[dict]) -> str:
     """The handout's attention sweep: d x N rows; forward ms, backward ms, memory before backward per impl."""
     sweep = [e for e in entries if e.get("test") == "test_attention"]
     out = []
-    fields = ("dtype", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
+    fields = ("dtype", "causal", "batch_size", "heads", "kv_heads", "compile", *MEASURED_BY)
     for variant in distinct(sweep, fields):
         subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
-        dtype, causal, batch, heads, compiled, flush, timing = variant
+        dtype, causal, batch, heads, kv_heads, compiled, flush, timing = variant
         impls = impl_order(subset)
         cells = {(e["impl"], e["head_dim"], e["seq_len"], e["mode"]): e for e in subset}
         header = ["d", "N"]
@@ -95,7 +95,7 @@ def attention_sweep_tables(entries: list[dict]) -> str:
                     memory_cell = "OOM" if backward is not None and backward.get("status") == "oom" else "-"
                 row += [cell_median(cells.get((impl, d, n, "forward"))), cell_median(backward), memory_cell]
             rows.append(row)
-        shape = f"B={batch}" + (f", H={heads}" if heads else "")
+        shape = f"B={batch}" + (f", H={heads}" if heads else "") + (f", Hkv={kv_heads}" if kv_heads else "")
         title = (f"### Attention sweep: {dtype}, {'causal' if causal else 'not causal'}, {shape}"
                  + measurement_suffix(flush, timing))
         out.append(title + " (median ms; memory in use after the forward, before backward)\n\n"
@@ -141,14 +141,14 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
     """
     sweep = [e for e in entries if e.get("test") == "test_flash"]
     out = []
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "kv_heads", "compile", *MEASURED_BY)
     variants = sorted(
         distinct(sweep, fields),
         key=lambda v: (str(v[0]), ATTENTION_MODE_ORDER.index(v[1]) if v[1] in ATTENTION_MODE_ORDER else 9, str(v)),
     )
     for variant in variants:
         subset = [e for e in sweep if tuple(e.get(f) for f in fields) == variant]
-        dtype, mode, causal, batch, heads, compiled, flush, timing = variant
+        dtype, mode, causal, batch, heads, kv_heads, compiled, flush, timing = variant
         impls = impl_order(subset)
         baselines = [i for i in impls if i != contender] if contender in impls else []
         rank = {run: i for i, run in enumerate(dict.fromkeys(e["run"] for e in subset))}  # file order
@@ -175,7 +175,7 @@ def flash_tables(entries: list[dict], contender: str = CONTENDER) -> str:
                 marked = marked or bool(mark)
                 row.append(f"{same_run_ratio(*pair):.2f}x{mark}")
             rows.append(row)
-        shape = f"B={batch}" + (f", H={heads}" if heads else "")
+        shape = f"B={batch}" + (f", H={heads}" if heads else "") + (f", Hkv={kv_heads}" if kv_heads else "")
         title = (f"### Flash sweep: {dtype}, {mode}, {'causal' if causal else 'not causal'}, {shape}"
                  + measurement_suffix(flush, timing))
         note = (f"\n\n{SEVERAL_RUNS_MARK}: the case was saved in more than one run; this speedup divides the "

@@ -149,7 +149,8 @@ def _wrapped(text: str, fig) -> str:
 
 
 def _variant_title(variant: dict) -> str:
-    shape = f"B={variant['batch_size']}" + (f", H={variant['heads']}" if variant.get("heads") else "")
+    shape = (f"B={variant['batch_size']}" + (f", H={variant['heads']}" if variant.get("heads") else "")
+             + (f", Hkv={variant['kv_heads']}" if variant.get("kv_heads") else ""))
     parts = [str(variant["dtype"]), "causal" if variant.get("causal") else "not causal", shape]
     if variant.get("compile"):
         parts.append("compiled")
@@ -162,7 +163,8 @@ def _variant_title(variant: dict) -> str:
 
 def _variant_slug(variant: dict) -> list:
     return [variant["dtype"], "causal" if variant.get("causal") else "noncausal", f"b{variant['batch_size']}",
-            f"h{variant['heads']}" if variant.get("heads") else None, "compiled" if variant.get("compile") else None,
+            f"h{variant['heads']}" if variant.get("heads") else None,
+            f"kv{variant['kv_heads']}" if variant.get("kv_heads") else None, "compiled" if variant.get("compile") else None,
             "flush" if variant.get("flush_l2") else None,
             variant["timing"] if variant.get("timing") not in (None, "host") else None]
 
@@ -208,7 +210,7 @@ def _by_head_dim(subset: list[dict]) -> list[int]:
 
 def attention_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Attention sweep: latency vs N per mode, and memory before backward vs N (log-log, panel per d)."""
-    fields = ("dtype", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
+    fields = ("dtype", "causal", "batch_size", "heads", "kv_heads", "compile", *MEASURED_BY)
     plots = []
     for variant, subset in _attention_variants(entries, "test_attention", fields):
         device = _device(subset, machines)
@@ -245,7 +247,7 @@ def _loglog_drawer(subset: list[dict], title: str, ylabel: str, value, compiled)
 
 def flash_plots(entries: list[dict], machines: list[dict] | None = None) -> list[Plot]:
     """Flash sweep: TFLOP/s vs N (log2 x, linear y), one panel per d, one line per implementation."""
-    fields = ("dtype", "mode", "causal", "batch_size", "heads", "compile", *MEASURED_BY)
+    fields = ("dtype", "mode", "causal", "batch_size", "heads", "kv_heads", "compile", *MEASURED_BY)
     plots = []
     variants = sorted(_attention_variants(entries, "test_flash", fields), key=lambda vs: (
         str(vs[0]["dtype"]), ATTENTION_MODE_ORDER.index(vs[0]["mode"])

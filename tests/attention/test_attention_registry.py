@@ -96,10 +96,12 @@ def test_implementation_unavailable_on_the_inputs_device_is_refused(impl):
 def test_check_available_names_head_dims_and_the_alternatives(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # flash-triton available on the CPU
     assert attention.check_available("flash-triton", "cpu", head_dim=64).name == "flash-triton"
-    with pytest.raises(ValueError, match=r"'flash-triton' supports head dims \(16, 32, 64, 128\), got head_dim=80; "
-                                         r"available on device cpu for head_dim=80: naive, .*sdpa"):
-        attention.check_available("flash-triton", "cpu", head_dim=80)
-    assert attention.check_available("naive", "meta", head_dim=80).name == "naive"
+    assert attention.check_available("flash-triton", "cpu", head_dim=80).name == "flash-triton"
+    for bad in (84, 264):
+        with pytest.raises(ValueError, match=rf"'flash-triton' supports head dims multiples of 8 from 8 to 256, got "
+                                             rf"head_dim={bad}; available on device cpu for head_dim={bad}: naive, .*sdpa"):
+            attention.check_available("flash-triton", "cpu", head_dim=bad)
+    assert attention.check_available("naive", "meta", head_dim=84).name == "naive"
 
 
 @pytest.mark.parametrize("is_causal", ["false", "False", "", 0, 1, None, 1.0])

@@ -39,10 +39,89 @@ def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_head_dim_128(is_causal):
-    q, k, v = random_qkv((2,), 97, 65, 128, torch.float32, DEVICE, seed=128)
+# The head dims people train with: every power of two, and the padded ones (80, 96: 2-3B models; 160, 192).
+HEAD_DIMS = [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@settings(max_examples=2, deadline=None)
+@given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31 - 1))
+def test_every_head_dim_matches_float64_reference(d, nq, nk, is_causal, dtype, seed):
+    """Head dims that are not a power of two run a padded register tile with masked columns: O, dQ, dK, dV
+    and L against float64, ragged lengths, Nq != Nk."""
+    q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
     assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    heads=st.sampled_from([(2, 1), (4, 2), (4, 1), (6, 3), (8, 2)]),
+    batch=st.sampled_from([1, 2]),
+    nq=st.integers(1, 90),
+    nk=st.integers(1, 90),
+    d=st.sampled_from([16, 40, 64]),
+    is_causal=st.booleans(),
+    splits=st.sampled_from(["1", "max"]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_query_attention_matches_float64_reference(heads, batch, nq, nk, d, is_causal, splits, dtype, seed):
+    """k, v with Hkv heads for Hq query heads: each K/V head serves Hq / Hkv query heads, and dK, dV sum over
+    them, in one program per K/V tile or split over several (float32 partials summed by the launcher)."""
+    hq, hkv = heads
+    q = random_qkv((batch, hq), nq, nk, d, dtype, DEVICE, seed)[0]
+    _, k, v = random_qkv((batch, hkv), nq, nk, d, dtype, DEVICE, seed + 1)
+    with pytest.MonkeyPatch.context() as patch:  # per example (a function-scoped fixture is not)
+        patch.setenv("CS336_FLASH_GROUP_SPLITS", "1" if splits == "1" else str(hq // hkv))
+        assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+def test_grouped_query_attention_reads_each_kv_head_for_its_own_group():
+    """Distinct K/V heads with a group of 2: query head h must see K/V head h // 2 (not h % Hkv)."""
+    q = torch.randn(1, 4, 24, 16, device=DEVICE)
+    k, v = torch.randn(1, 2, 24, 16, device=DEVICE), torch.randn(1, 2, 24, 16, device=DEVICE)
+    out = attention.attention(q, k, v, is_causal=True, impl="flash-triton")
+    for h in range(4):
+        expected = attention.attention(q[:, h], k[:, h // 2], v[:, h // 2], is_causal=True, impl="naive")
+        torch.testing.assert_close(out[:, h], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, match", [
+    (4, 3, r"K/V head count \(dim -3\) to divide the query head count; got 4 query heads and 3 K/V heads"),
+    (2, 4, r"K/V head count \(dim -3\) to divide the query head count; got 2 query heads and 4 K/V heads"),
+])
+def test_grouped_query_attention_needs_a_divisor_head_count(q_heads, kv_heads, match):
+    q = torch.randn(1, q_heads, 8, 16, device=DEVICE)
+    kv = torch.randn(1, kv_heads, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionTriton.apply(q, kv, kv, False)
+    with pytest.raises(ValueError, match=match):
+        attention.attention(q, kv, kv, impl="flash-triton")
+
+
+def test_group_splits_are_divisors_chosen_to_fill_the_sms(monkeypatch):
+    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.flash_configs import TileConfig
+
+    cfg = TileConfig(64, 128, 4, 3)
+    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
+
+    class FakeCuda:
+        def __init__(self, bh, n):
+            self.shape, self.device = (bh, n, 128), torch.device("cuda", 0)
+
+    # MQA, B 1, Hq 32, N 8192: 64 key tiles for 132 SMs -> 8 heads per program, 256 programs
+    assert flash_launch.group_splits(FakeCuda(32, 8192), FakeCuda(1, 8192), cfg) == 8
+    # GQA 4 with 8 K/V heads at N 8192: 512 programs already
+    assert flash_launch.group_splits(FakeCuda(32, 8192), FakeCuda(8, 8192), cfg) == 1
+    # short sequences: every query head its own program at most
+    assert flash_launch.group_splits(FakeCuda(4, 128), FakeCuda(1, 128), cfg) == 4
+    assert flash_launch.group_splits(FakeCuda(4, 128), FakeCuda(4, 128), cfg) == 1  # no group
+    assert flash_launch.group_splits(torch.empty(4, 128, 16), torch.empty(1, 128, 16), cfg) == 1  # CPU
+    monkeypatch.setenv("CS336_FLASH_GROUP_SPLITS", "3")
+    with pytest.raises(ValueError, match="CS336_FLASH_GROUP_SPLITS must be a positive divisor of the group size 4"):
+        flash_launch.group_splits(FakeCuda(4, 128), FakeCuda(1, 128), cfg)
 
 
 def test_registry_entry_and_non_contiguous_inputs():
@@ -68,9 +147,14 @@ def test_double_backward_raises_instead_of_returning_zero_second_derivatives():
     "shapes_dtypes, match",
     [
         (((1, 8, 32), (1, 8, 16), (1, 8, 16), torch.float32), r"head dim d must match"),
-        (((2, 8, 32), (3, 8, 32), (3, 8, 32), torch.float32), r"leading \(batch/head\) dims must match"),
+        # 3-D inputs: dim -3 is the head dim, so K/V may have fewer slices, but a divisor of q's
+        (((2, 8, 32), (3, 8, 32), (3, 8, 32), torch.float32), r"got 2 query heads and 3 K/V heads"),
+        (((2, 2, 8, 32), (1, 2, 8, 32), (1, 2, 8, 32), torch.float32), r"leading \(batch/head\) dims must match"),
         (((1, 8, 32), (1, 8, 32), (1, 9, 32), torch.float32), r"k and v must have the same length"),
-        (((1, 8, 24), (1, 8, 24), (1, 8, 24), torch.float32), r"supports head dims .* got d=24"),
+        (((1, 8, 20), (1, 8, 20), (1, 8, 20), torch.float32),
+         r"supports head dims that are multiples of 8 from 8 to 256; got d=20"),
+        (((1, 8, 264), (1, 8, 264), (1, 8, 264), torch.float32),
+         r"supports head dims that are multiples of 8 from 8 to 256; got d=264"),
         (((1, 8, 32), (1, 8, 32), (1, 8, 32), torch.float64), r"supports float32, bfloat16, float16; got dtype torch.float64"),
     ],
 )
@@ -172,6 +256,40 @@ def test_cpu_without_interpreter_says_so(monkeypatch):
 )
 def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     q, k, v = random_qkv(lead, nq, nk, d, dtype, "cuda", seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@settings(max_examples=3, deadline=None)
+@given(
+    nq=st.sampled_from([1, 17, 257, 1000, 2048]),
+    nk=st.sampled_from([1, 63, 511, 1025, 2048]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_every_head_dim_matches_float64_reference(d, nq, nk, is_causal, dtype, seed):
+    """Every head dim compiled for the GPU (padded tiles, TMA boxes wider than the rows), bf16 included."""
+    q, k, v = random_qkv((2, 3), nq, nk, d, dtype, "cuda", seed)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@settings(max_examples=12, deadline=None)
+@given(
+    heads=st.sampled_from([(8, 2), (8, 1), (32, 8), (32, 1)]),
+    n=st.sampled_from([128, 1000, 4096]),
+    d=st.sampled_from([64, 80, 128]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_grouped_query_attention_matches_float64_reference(heads, n, d, is_causal, dtype, seed):
+    """GQA and MQA on the GPU with the launcher's own choice of group splits."""
+    hq, hkv = heads
+    q = random_qkv((1, hq), n, n, d, dtype, "cuda", seed)[0]
+    _, k, v = random_qkv((1, hkv), n, n, d, dtype, "cuda", seed + 1)
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 

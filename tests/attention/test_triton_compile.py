@@ -27,8 +27,11 @@ from cs336_systems.attention.kernels import flash_kernels as kernels
 causal = sys.argv[1] == "causal"
 tma = sys.argv[2] != "pointers"
 mode = {"pointers": 0, "tma": 1, "tma-band": 2}[sys.argv[2]]
-consts = {"CAUSAL": causal, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PRECISION": "tf32", "LONGEST_FIRST": True,
-          "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634, "SPLITS": 4, "TMA": mode}
+head_dim = int(sys.argv[3])
+block_d = max(16, 1 << (head_dim - 1).bit_length())
+consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": 64, "BLOCK_N": 64,
+          "PRECISION": "tf32", "LONGEST_FIRST": True, "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634,
+          "SPLITS": 4, "TMA": mode}
 descs = ["K_DESC", "V_DESC"]
 if not tma:
     consts.update({name: None for name in descs})
@@ -40,35 +43,38 @@ def compile_(fn, pointers, ints, scales):
     const = {n: c for n, c in consts.items() if n in names}
     sig = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
     if tma:
-        sig.update({n: "tensordesc<bf16[64, 64]>" for n in descs if n in names})
+        sig.update({n: f"tensordesc<bf16[64, {block_d}]>" for n in descs if n in names})
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     for stage in ("ttir", "ttgir"):
         if "f64" in compiled.asm[stage]:
             sys.exit(f"{fn.__name__}: float64 arithmetic in the {stage}")
 
 compile_(kernels.flash_fwd_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "L": "*fp32"},
-         strides + ["stride_ob", "stride_on", "n_queries", "n_keys"], ["qk_scale"])
+         strides + ["stride_ob", "stride_on", "n_queries", "n_keys", "group"], ["qk_scale"])
 compile_(kernels.flash_bwd_dkdv_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16},
          strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
-                    "n_queries", "n_keys"], ["sm_scale", "qk_scale"])
+                    "n_queries", "n_keys", "group", "heads_per_split", "stride_dks", "stride_dvs"], ["sm_scale", "qk_scale"])
 compile_(kernels.flash_bwd_dq_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
          strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",
-                    "n_keys"],
+                    "n_keys", "group"],
          ["sm_scale", "qk_scale"])
 compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
-         strides + ["n_queries", "n_keys"], ["qk_scale"])
+         strides + ["n_queries", "n_keys", "group"], ["qk_scale"])
 compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
          ["stride_ob", "stride_on", "n_queries"], [])
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("loads", ["pointers", "tma", "tma-band"])  # descriptors: unmasked tiles / every tile
-@pytest.mark.parametrize("causal", ["causal", "full"])
-def test_kernels_compile_for_sm90_without_float64(causal, loads):
+# loads: pointers, descriptors for the unmasked tiles, for every tile; head dims 80 and 256 run padded
+# (128-wide tiles, TMA boxes wider than the rows) and 256-wide register tiles.
+@pytest.mark.parametrize("causal, loads, head_dim", [
+    (causal, loads, 64) for causal in ("causal", "full") for loads in ("pointers", "tma", "tma-band")
+] + [("causal", "tma-band", 80), ("full", "tma", 256)])
+def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads, str(head_dim)], env=env, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -276,8 +276,38 @@ def test_case_flops_and_step_arguments():
     assert attention_workloads.case_flops(case | {"heads": None, "causal": False, "mode": "backward"}) == (
         4 * 2 * 128 * 128 * 64 * 2.5)
     assert attention_workloads.step_arguments(case) == dict(
-        impl="naive", batch_size=2, heads=4, seq_len=128, head_dim=64, dtype="bf16", causal=True,
+        impl="naive", batch_size=2, heads=4, kv_heads=None, seq_len=128, head_dim=64, dtype="bf16", causal=True,
         mode="forward-backward", compile=True)
+    # grouped-query attention: the FLOPs are the query heads' (each K/V head serves its group)
+    assert attention_workloads.case_flops(case | {"kv_heads": 1}) == expected
+    assert attention_workloads.step_arguments(case | {"kv_heads": 2})["kv_heads"] == 2
+
+
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "flash-triton"])
+def test_grouped_query_step_checks_against_the_repeated_heads_reference(impl):
+    """A GQA case builds K/V with kv_heads heads, passes the accuracy check (dK, dV summed over each group
+    in the reference) and runs; kv_heads that do not divide heads are a ValueError naming both."""
+    step = attention_workloads.attention_step(impl=impl, batch_size=1, heads=4, kv_heads=2, seq_len=40, head_dim=16,
+                                              dtype="fp32", causal=True, mode="forward-backward")
+    assert step.k.shape == (1, 2, 40, 16) and step.q.shape == (1, 4, 40, 16)
+    step()
+    with pytest.raises(ValueError, match="kv_heads must divide heads .* got heads=4, kv_heads=3"):
+        attention_workloads.attention_step(impl=impl, batch_size=1, heads=4, kv_heads=3, seq_len=8, head_dim=16)
+
+
+def test_grouped_query_reference_sums_key_gradients_over_each_group():
+    """The blocked reference on (B, Hkv, N, d) K/V equals the dense one on K/V repeated per query head, with dK
+    and dV summed over each group of query heads."""
+    g = torch.Generator().manual_seed(0)
+    q, do = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 4, 9, 8, generator=g)
+    k, v = torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    o, dq, dk, dv = attention_workloads.reference(q, k, v, do, causal=True)
+    k_rep, v_rep = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    o2, dq2, dk2, dv2 = attention_workloads.reference(q, k_rep, v_rep, do, causal=True)
+    torch.testing.assert_close(o, o2)
+    torch.testing.assert_close(dq, dq2)
+    torch.testing.assert_close(dk, dk2.reshape(1, 2, 2, 9, 8).sum(2))
+    torch.testing.assert_close(dv, dv2.reshape(1, 2, 2, 9, 8).sum(2))
 
 
 def test_bad_mode_and_dtype():

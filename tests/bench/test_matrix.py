@@ -203,12 +203,16 @@ def test_attention_grid_expands_with_defaults():
             "dtypes": ["fp32"], "causal": [True], "modes": ["backward"], "warmup": 1, "rounds": 2}
     data = {"suites": {"flash": {"profiles": {"cpu": [grid]}}}}
     cases = matrix.parse(data).cases("flash", "cpu")
-    assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "seq_len": 8, "head_dim": 4,
+    assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "kv_heads": None, "seq_len": 8, "head_dim": 4,
                         "dtype": "fp32", "causal": True, "mode": "backward", "compile": False,
                         "flush_l2": False, "timing": "host", "warmup": 1, "rounds": 2, "group": "default"}
     assert [c["seq_len"] for c in cases] == [8, 16]
     grid["heads"] = [None, 4]
     assert [c["heads"] for c in matrix.parse(data).cases("flash", "cpu")] == [None, None, 4, 4]
+    grid.update(heads=[8], kv_heads=[None, 2])
+    cases = matrix.parse(data).cases("flash", "cpu")
+    assert [matrix.case_id(c).split("-n")[0] for c in cases] == ["naive-b2-h8", "naive-b2-h8", "naive-b2-h8-kv2",
+                                                                  "naive-b2-h8-kv2"]
 
 
 def _attention_grid(data, suite="flash"):
@@ -222,6 +226,10 @@ def _attention_grid(data, suite="flash"):
          r"flash\.profiles\.gpu\[0\]\.impls\[0\]: unknown value 'flashy'; valid: naive"),
         (lambda d: _attention_grid(d).update(seq_len=[128]), r"flash\.profiles\.gpu\[0\]: unknown key 'seq_len'"),
         (lambda d: _attention_grid(d).update(heads=[None, 0]), r"gpu\[0\]\.heads\[1\]: expected a positive integer"),
+        (lambda d: _attention_grid(d).update(heads=[8], kv_heads=[3]),
+         r"gpu\[0\]: kv_heads must divide heads \(grouped-query attention\); heads 8 with kv_heads 3"),
+        (lambda d: _attention_grid(d).update(kv_heads=[2]),
+         r"gpu\[0\]: kv_heads must divide heads \(grouped-query attention\); heads None with kv_heads 2"),
         (lambda d: _attention_grid(d).update(dtypes=["fp8"]), r"gpu\[0\]\.dtypes\[0\]: unknown value 'fp8'"),
         (lambda d: _attention_grid(d).update(modes=["train-step"]), r"gpu\[0\]\.modes\[0\]: unknown value 'train-step'"),
         (lambda d: _attention_grid(d).update(causal=[1]), r"gpu\[0\]\.causal\[0\]: expected true or false"),

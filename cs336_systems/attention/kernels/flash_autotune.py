@@ -359,7 +359,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(f"--shape wants BH,N,D (e.g. 16,16384,64); got {text!r}") from None
     if bh < 1 or n < 1 or d not in configs.HEAD_DIMS:
         raise argparse.ArgumentTypeError(
-            f"--shape {text!r}: BH and N must be >= 1 and D one of {configs.HEAD_DIMS}")
+            f"--shape {text!r}: BH and N must be >= 1 and D one of the {configs.head_dims_text()}")
     return bh, n, d
 
 

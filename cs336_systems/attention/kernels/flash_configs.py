@@ -34,7 +34,20 @@ import torch
 KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
 TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
-HEAD_DIMS = (16, 32, 64, 128)  # what the kernels support (tl.dot needs d >= 16; d is one register tile)
+# What the kernels support: every multiple of 8 up to 256 (rows of 16 bytes or more in 16-bit dtypes, as TMA
+# and vectorized loads want).  The register tile is `block_d(d)` wide; its padding columns are masked.
+HEAD_DIMS = tuple(range(8, 257, 8))
+MAX_HEAD_DIM = 256
+
+
+def block_d(head_dim: int) -> int:
+    """The kernels' head-dim tile: the next power of two >= max(head_dim, 16) (tl.arange needs a power of
+    two, tl.dot a K of at least 16).  d = 80 and 96 run 128-wide tiles, 160 and 192 run 256-wide ones."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def head_dims_text() -> str:
+    return f"multiples of 8 from 8 to {MAX_HEAD_DIM}"
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
 
@@ -126,7 +139,7 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class ShapeKey:
-    """What a configuration is tuned for: head dim, dtype class, causal, N bucket, B*H bucket."""
+    """What a configuration is tuned for: head-dim tile (`block_d`), dtype class, causal, N bucket, B*H bucket."""
 
     head_dim: int
     dtype: str
@@ -136,8 +149,10 @@ class ShapeKey:
 
     @classmethod
     def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
+        """The key of a call: its head dim is the kernels' tile width `block_d(head_dim)` (what registers and
+        shared memory depend on), so d = 80 and d = 128 share configurations."""
         n = max(n_queries, n_keys)
-        return cls(head_dim, dtype_class(dtype), bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
+        return cls(block_d(head_dim), dtype_class(dtype), bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
 
     def text(self) -> str:
         return f"d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}-n{self.n_bucket}-bh{self.bh_bucket}"
@@ -162,6 +177,12 @@ INTERPRETER = {"fwd": TileConfig(32, 32, 4, 1, 2), "dkdv": TileConfig(32, 32, 4,
 def default_config(key: ShapeKey) -> dict[str, TileConfig]:
     """A heuristic that fits sm_80+ shared memory for every supported d and dtype (no measurements)."""
     d = key.head_dim
+    if d > 128:
+        # 256-wide tiles: a (64, 256) float32 accumulator is 64 KB of registers per program, and a pipelined
+        # (64, 256) K/V stage 64 KB of shared memory in 16-bit types; float32 operands double both.
+        if key.dtype == "half":
+            return {"fwd": TileConfig(64, 64, 8, 2), "dkdv": TileConfig(32, 64, 8, 2), "dq": TileConfig(64, 64, 8, 2)}
+        return {"fwd": TileConfig(32, 32, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1)}
     if key.dtype == "fp32ieee":
         # fp32 tiles take twice the shared memory and IEEE dots run on the FMA units, unrolled: small
         # tiles, which also compile 2-3x faster (sm_90, triton 3.9, d = 64: dK/dV 32x32 10 s vs 32x64 15 s

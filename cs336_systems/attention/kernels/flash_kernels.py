@@ -2,9 +2,16 @@
 (batch x head) slices; dQ, which computes D = rowsum(O * dO) first; dK/dV). Kernel code only.
 
 Layout: every tensor is (BH, N, d) with a unit stride on d; one program handles one tile of one
-(batch x head) slice.  Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so
-exp(S - m) == exp2(s2 - m2) and the kernels use the cheaper exp2.  L is stored in natural-log units
-(logsumexp of S = q.k/sqrt(d)), as the autograd contract asks.
+(batch x head) slice.  Head dims: HEAD_DIM is d (any multiple of 8 up to 256), BLOCK_D the register tile's
+width, the next power of two >= max(d, 16) (tl.arange and tl.dot need powers of two, tl.dot a K of 16 or
+more): when they differ, every load and store is masked on d and the padding columns are zeros, which add
+nothing to Q K^T and give zero columns of O, dQ, dK, dV that are never stored.  Grouped-query attention:
+K and V have BH / GROUP slices (GROUP query heads share one K/V head, heads contiguous per batch), so the
+query slice bh reads K/V slice bh // GROUP; the dK/dV kernel sums over the group's query heads itself.
+
+Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so exp(S - m) == exp2(s2 - m2)
+and the kernels use the cheaper exp2.  L is stored in natural-log units (logsumexp of S = q.k/sqrt(d)), as
+the autograd contract asks.
 
 Causal masking is top-left aligned (query i sees keys j <= i).  Each kernel walks its inner loop in
 two phases: tiles that need no mask (fully visible and fully in bounds) and the few that do (the
@@ -29,25 +36,57 @@ MASKED = tl.constexpr(-1.0e6)  # after scaling; exp2(MASKED - m) == 0 in float32
 
 
 @triton.jit
+def _load(ptrs, rows_ok, d_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile load masked on rows (ROWS) and on the padded head-dim columns (BLOCK_D > HEAD_DIM) only
+    where needed: a mask the compiler cannot prove all-true would cost the unmasked tiles their
+    vectorized loads.  ``rows_ok`` and ``d_ok`` broadcast against ``ptrs``."""
+    if ROWS:
+        if BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=rows_ok & d_ok, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows_ok, other=0.0)
+    else:
+        if BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=d_ok, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _store(ptrs, value, rows_ok, d_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A row-masked tile store that also leaves the padding columns (BLOCK_D > HEAD_DIM) unwritten."""
+    if BLOCK_D != HEAD_DIM:
+        tl.store(ptrs, value, mask=rows_ok & d_ok)
+    else:
+        tl.store(ptrs, value, mask=rows_ok)
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
               start, end, n_keys, qk_scale,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end).
 
     TMA (0, 1, 2): 1: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor
     descriptors, row row0 + start_n, and masked tiles (diagonal band, ragged end) use pointer loads with
     bounds masks; 2 (only when BLOCK_N divides Nk, so no tile crosses into the next slice's rows): every
-    tile through the descriptors, the masks applied to the scores only.
+    tile through the descriptors, the masks applied to the scores only.  A descriptor's (BLOCK_N, BLOCK_D)
+    box reads zeros past column d (the TMA engine's out-of-bounds fill), as the masked pointer loads do.
     """
+    d_col = offs_d[:, None] < HEAD_DIM
+    d_row = offs_d[None, :] < HEAD_DIM
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
-            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+            k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
+                      True, HEAD_DIM, BLOCK_D)
         elif TMA > 0:
-            k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N): K^T, transposed in shared memory
+            k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N): K^T, transposed in shared memory
         else:
-            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N): K^T
+            k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
+                      False, HEAD_DIM, BLOCK_D)  # (BLOCK_D, BLOCK_N): K^T
         qk = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
         if MASK:
             visible = offs_n[None, :] < n_keys
@@ -64,11 +103,13 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK and TMA < 2:
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < n_keys, other=0.0)
+            v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
+                      True, HEAD_DIM, BLOCK_D)
         elif TMA > 0:
             v = v_desc.load([row0 + start_n, 0])
         else:
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
+                      False, HEAD_DIM, BLOCK_D)
         # P is cast to V's dtype before the second matmul (FA2): bf16/fp16 tensor-core inputs.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -79,9 +120,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
 def flash_fwd_kernel(
     Q, K, V, O, L, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
-    n_queries, n_keys, qk_scale: tl.constexpr,
+    n_queries, n_keys, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise.
 
@@ -94,18 +135,20 @@ def flash_fwd_kernel(
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
+    kv = bh // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
-    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
-    k_base = K + bh * stride_kb
-    v_base = V + bh * stride_vb
-    row0 = (bh * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
+    d_row = offs_d[None, :] < HEAD_DIM
+    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    k_base = K + kv * stride_kb
+    v_base = V + kv * stride_vb
+    row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Keys this query tile can see: all, or (causal) those j <= the tile's last query.
     if CAUSAL:
@@ -115,12 +158,13 @@ def flash_fwd_kernel(
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
+                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
 
     o = acc / l_i[:, None]
-    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_rows)
+    _store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), q_rows, d_row,
+           HEAD_DIM, BLOCK_D)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
 
@@ -129,9 +173,9 @@ def flash_fwd_kernel(
 def flash_fwd_split_kernel(
     Q, K, V, O_PART, L_PART, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
-    n_queries, n_keys, qk_scale: tl.constexpr,
+    n_queries, n_keys, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
 
@@ -147,21 +191,23 @@ def flash_fwd_split_kernel(
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    kv = bh // group
     split = tl.program_id(2)
     n_bh = tl.num_programs(1)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
-    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_rows, other=0.0)
-    k_base = K + bh * stride_kb
-    v_base = V + bh * stride_vb
-    row0 = (bh * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
+    d_row = offs_d[None, :] < HEAD_DIM
+    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    k_base = K + kv * stride_kb
+    v_base = V + kv * stride_vb
+    row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
@@ -175,14 +221,14 @@ def flash_fwd_split_kernel(
     # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
     mid = tl.maximum(tl.minimum(full_end, end), lo)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
     acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
+                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     part = (split * n_bh + bh) * n_queries
-    tl.store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=q_rows)
+    _store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, q_rows, d_row, HEAD_DIM, BLOCK_D)
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(L_PART + part + offs_m, lse2, mask=offs_m < n_queries)
 
@@ -190,7 +236,7 @@ def flash_fwd_split_kernel(
 @triton.jit
 def flash_fwd_combine_kernel(
     O_PART, L_PART, O, L, stride_ob, stride_on, n_queries,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH): O = sum_s w_s O_s, w_s = 2^(L_s - L), L = log2 sum_s 2^L_s (then in
     natural-log units, as the unsplit kernel stores it).  Every row sees at least one key (Nk >= 1; causal
@@ -199,43 +245,48 @@ def flash_fwd_combine_kernel(
     bh = tl.program_id(1).to(tl.int64)
     n_bh = tl.num_programs(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < n_queries
+    d_row = offs_d[None, :] < HEAD_DIM
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         m = tl.maximum(m, tl.load(L_PART + (s * n_bh + bh) * n_queries + offs_m, mask=rows, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)  # padding rows only
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         part = (s * n_bh + bh) * n_queries
         w = tl.math.exp2(tl.load(L_PART + part + offs_m, mask=rows, other=float("-inf")) - m)
-        o_s = tl.load(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+        o_s = _load(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], rows[:, None], d_row, True,
+                    HEAD_DIM, BLOCK_D)
         acc += w[:, None] * o_s
         total += w
     total = tl.where(total > 0.0, total, 1.0)
     o = acc / total[:, None]
-    tl.store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=rows[:, None])
+    _store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), rows[:, None],
+           d_row, HEAD_DIM, BLOCK_D)
     tl.store(L + bh * n_queries + offs_m, (m + tl.math.log2(total)) * 0.6931471805599453, mask=rows)
 
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
                start, end, n_queries, n_keys, qk_scale,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
+    d_col = offs_d[:, None] < HEAD_DIM
+    d_row = offs_d[None, :] < HEAD_DIM
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
+        rows = offs_m < n_queries
+        qT = _load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], rows[None, :], d_col, MASK, HEAD_DIM,
+                   BLOCK_D)  # (BLOCK_D, BLOCK_M)
+        do = _load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, MASK, HEAD_DIM,
+                   BLOCK_D)  # (BLOCK_M, BLOCK_D)
         if MASK:
-            rows = offs_m < n_queries
-            qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], mask=rows[None, :], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
             lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
             delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
         else:
-            qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None])  # (d, BLOCK_M)
-            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :])  # (BLOCK_M, d)
             lse = tl.load(l_base + offs_m) * 1.4426950408889634
             delta = tl.load(d_base + offs_m)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
@@ -257,28 +308,34 @@ def flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, Dvec, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dkb, stride_dkn, stride_dvb, stride_dvn,
-    n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
+    n_queries, n_keys, group, heads_per_split, stride_dks, stride_dvs,
+    sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (cdiv(Nk, BLOCK_N), BH).  K, V tile resident; loop over query tiles; no atomics.
+    """Grid (cdiv(Nk, BLOCK_N), BH_kv * (group // heads_per_split)).  K, V tile resident; loop over the
+    query heads of this K/V head's share of the group, and over their query tiles; no atomics.
 
-    Causal: key tile 0 is seen by every query, so program order is already longest-first.
+    Grouped-query attention: program (n, kv * splits + s) sums dK and dV over query heads
+    kv * group + s * heads_per_split ... + heads_per_split - 1 and writes the sum to DK + s * stride_dks
+    (float32 partials the launcher adds up when the group is split over several programs, for
+    parallelism; stride_dks = 0 and one split when it is not).  Causal: key tile 0 is seen by every
+    query, so program order is already longest-first.
     """
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64)
+    splits = group // heads_per_split
+    kv = pid // splits
+    split = pid % splits
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     cols = offs_n[:, None] < n_keys
-    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=cols, other=0.0)
-    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=cols, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    q_base = Q + bh * stride_qb
-    do_base = DO + bh * stride_dob
-    l_base = L + bh * n_queries
-    d_base = Dvec + bh * n_queries
+    d_row = offs_d[None, :] < HEAD_DIM
+    k = _load(K + kv * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    v = _load(V + kv * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     if CAUSAL:
         # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
@@ -289,45 +346,57 @@ def flash_bwd_dkdv_kernel(
         lo = 0
         band_end = 0
     full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
-    if CAUSAL:
+    for h in range(heads_per_split):
+        bh = kv * group + split * heads_per_split + h  # the query head
+        q_base = Q + bh * stride_qb
+        do_base = DO + bh * stride_dob
+        l_base = L + bh * n_queries
+        d_base = Dvec + bh * n_queries
+        if CAUSAL:
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                                stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION,
+                                HEAD_DIM, BLOCK_D)
+        # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
+        if start_n + BLOCK_N <= n_keys:
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                                stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
+                                PRECISION, HEAD_DIM, BLOCK_D)
+        else:
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
+                                stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                                PRECISION, HEAD_DIM, BLOCK_D)
         dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                            stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION)
-    # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
-    if start_n + BLOCK_N <= n_keys:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
-                            PRECISION)
-    else:
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                            stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                            PRECISION)
-    dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                        stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                        PRECISION)
+                            stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
+                            PRECISION, HEAD_DIM, BLOCK_D)
 
-    tl.store(DK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=cols)
-    tl.store(DV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=cols)
+    _store(DK + split * stride_dks + kv * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
+           (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
+    _store(DV + split * stride_dvs + kv * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
+           dv.to(DV.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn,
              stride_vn, start, end, n_keys, qk_scale,
              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-             TMA: tl.constexpr):
+             TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA: as in `_fwd_tile`)."""
+    d_col = offs_d[:, None] < HEAD_DIM
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
-            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
-            vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=offs_n[None, :] < n_keys, other=0.0)
+            kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
+                       HEAD_DIM, BLOCK_D)
+            vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
+                       HEAD_DIM, BLOCK_D)
         elif TMA > 0:
-            kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (d, BLOCK_N)
+            kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N)
             vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
-            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])  # (d, BLOCK_N)
-            vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None])
+            kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
+                       HEAD_DIM, BLOCK_D)  # (BLOCK_D, BLOCK_N)
+            vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
+                       HEAD_DIM, BLOCK_D)
         p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
             visible = offs_n[None, :] < n_keys
@@ -345,9 +414,9 @@ def flash_bwd_dq_kernel(
     Q, K, V, DO, L, Dvec, DQ, O, K_DESC, V_DESC,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
     stride_dqb, stride_dqn, stride_ob, stride_on,
-    n_queries, n_keys, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
+    n_queries, n_keys, group, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
 
@@ -361,20 +430,25 @@ def flash_bwd_dq_kernel(
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
+    kv = bh // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < n_queries
-    q = tl.load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
-    do = tl.load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], mask=rows[:, None], other=0.0)
+    d_row = offs_d[None, :] < HEAD_DIM
+    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], rows[:, None], d_row, True,
+              HEAD_DIM, BLOCK_D)
+    do = _load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, True,
+               HEAD_DIM, BLOCK_D)
     lse2 = tl.load(L + bh * n_queries + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-    o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=rows[:, None], other=0.0)
+    o = _load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], rows[:, None], d_row, True,
+              HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Dvec + bh * n_queries + offs_m, delta, mask=rows)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_base = K + bh * stride_kb
-    v_base = V + bh * stride_vb
-    row0 = (bh * n_keys).to(tl.int32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + kv * stride_kb
+    v_base = V + kv * stride_vb
+    row0 = (kv * n_keys).to(tl.int32)
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
@@ -383,8 +457,8 @@ def flash_bwd_dq_kernel(
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
     dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
-                  stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA)
+                  stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
     dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
-                  stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA)
-    tl.store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
+                  stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
+    _store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
+           (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], d_row, HEAD_DIM, BLOCK_D)

@@ -1,7 +1,8 @@
 """Launchers of the FlashAttention-2 Triton kernels, one per kernel, with an explicit tile configuration.
 
-Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  `wrap` is applied to
-each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
+Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  Grouped-query attention:
+K and V (and dK, dV) may have BH / group slices, group = BH // BH_kv query heads per K/V head.  `wrap` is
+applied to each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
 
 On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
 descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's
@@ -23,7 +24,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention.kernels import flash_kernels as kernels
-from cs336_systems.attention.kernels.flash_configs import TileConfig, fp32_dot
+from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, fp32_dot
 
 LOG2E = 1.4426950408889634
 
@@ -81,7 +82,9 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
     if not tma:
         return 0, None, None
     bh, n, d = k.shape
-    k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], [cfg.block_n, d]) for t in (k, v))
+    # A (BLOCK_N, block_d(d)) box: past column d the TMA engine fills zeros, like the masked pointer loads.
+    box = [cfg.block_n, block_d(d)]
+    k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], box) for t in (k, v))
     return (1 if n % cfg.block_n else int(tma)), k_desc, v_desc
 
 
@@ -125,10 +128,18 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
     return max(1, min(MAX_KEY_SPLITS, sms // programs, by_length))
 
 
+def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per K/V head: BH // BH_kv (ValueError unless BH_kv divides BH)."""
+    if not k.shape[0] or q.shape[0] % k.shape[0]:
+        raise ValueError(f"K/V slices must divide the query slices (grouped-query attention); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    return q.shape[0] // k.shape[0]
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
             tma: int | None = None) -> None:
-    """o (BH, Nq, d) and lse (BH, Nq) written in place.
+    """o (BH, Nq, d) and lse (BH, Nq) written in place; k, v (BH_kv, Nk, d).
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
@@ -138,6 +149,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     `_kv_descriptors`).
     """
     bh, n_queries, d = q.shape
+    group = group_size(q, k)
     splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
@@ -148,37 +160,85 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
             q, k, v, o_part, l_part, k_desc, v_desc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, **cfg.launch_kwargs(),
+            n_queries, k.shape[1], group, qk_scale=LOG2E / math.sqrt(d),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, BLOCK_D=block_d(d),
+            **cfg.launch_kwargs(),
         )
-        combine_rows = 64 if d <= 64 else 32  # a (rows, d) float32 accumulator per program
+        combine_rows = 64 if d <= 64 else (32 if d <= 128 else 16)  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
             o_part, l_part, o, lse, o.stride(0), o.stride(1), n_queries,
-            HEAD_DIM=d, BLOCK_M=combine_rows, SPLITS=splits, num_warps=4,
+            HEAD_DIM=d, BLOCK_M=combine_rows, SPLITS=splits, BLOCK_D=block_d(d), num_warps=4,
         )
         return
     grid = (triton.cdiv(n_queries, cfg.block_m), bh)
     wrap(kernels.flash_fwd_kernel)[grid](
         q, k, v, o, lse, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        n_queries, k.shape[1], qk_scale=LOG2E / math.sqrt(d),
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
-        **cfg.launch_kwargs(),
+        n_queries, k.shape[1], group, qk_scale=LOG2E / math.sqrt(d),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
+        LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct) -> None:
-    """dk, dv (BH, Nk, d) written in place."""
+GROUP_SPLITS_ENV = "CS336_FLASH_GROUP_SPLITS"
+
+
+def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
+    """Over how many programs the dK/dV kernel spreads each K/V tile's query heads (a divisor of the group).
+
+    One program per K/V tile summing over all `group` query heads needs no extra memory, but for few K/V
+    heads (MQA: one) the grid has cdiv(Nk, BLOCK_N) * BH_kv programs, fewer than the SMs.  Split the heads
+    into the fewest equal shares that give at least two programs per SM (causal programs differ in length),
+    each writing a float32 partial that the launcher sums.  Only on CUDA devices (1 elsewhere; tests pass
+    ``group_splits`` explicitly); ``CS336_FLASH_GROUP_SPLITS=<n>`` forces n (a divisor of the group).
+    """
+    group = group_size(q, k)
+    forced = os.environ.get(GROUP_SPLITS_ENV)
+    if forced:
+        if not forced.isdigit() or int(forced) < 1 or group % int(forced):
+            raise ValueError(f"{GROUP_SPLITS_ENV} must be a positive divisor of the group size {group}, got {forced!r}")
+        return int(forced)
+    if group == 1 or q.device.type != "cuda":
+        return 1
+    programs = triton.cdiv(k.shape[1], cfg.block_n) * k.shape[0]
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= 2 * sms:
+            return splits
+    return group
+
+
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct,
+         splits: int | None = None) -> None:
+    """dk, dv (BH_kv, Nk, d) written in place: each the sum over the K/V head's `group` query heads.
+
+    ``splits`` (None: `group_splits`): programs per K/V tile, each summing group / splits query heads; above
+    1 they write float32 partials to a (splits, BH_kv, Nk, d) workspace, summed here into dk and dv.
+    """
     bh, n_queries, d = q.shape
     n_keys = k.shape[1]
+    group = group_size(q, k)
+    splits = group_splits(q, k, cfg) if splits is None else splits
+    if splits < 1 or group % splits:
+        raise ValueError(f"splits must be a positive divisor of the group size {group}, got {splits}")
+    if splits > 1:
+        dk_out = torch.empty((splits, *dk.shape), device=dk.device, dtype=torch.float32)
+        dv_out = torch.empty((splits, *dv.shape), device=dv.device, dtype=torch.float32)
+        split_strides = (dk_out.stride(0), dv_out.stride(0))
+        dk_rows, dv_rows = dk_out[0], dv_out[0]
+    else:
+        dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
-    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), bh)](
-        q, k, v, do, lse, delta, dk, dv,
+    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), k.shape[0] * splits)](
+        q, k, v, do, lse, delta, dk_out, dv_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        n_queries, n_keys, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), **cfg.launch_kwargs(),
+        dk_rows.stride(0), dk_rows.stride(1), dv_rows.stride(0), dv_rows.stride(1),
+        n_queries, n_keys, group, group // splits, *split_strides, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=block_d(d), **cfg.launch_kwargs(),
     )
+    if splits > 1:
+        for grad, partials in ((dk, dk_out), (dv, dv_out)):
+            grad.copy_(partials.sum(0))
 
 
 def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
@@ -186,13 +246,14 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
     kernel reads: launch this one first).  ``tma`` as in `forward`."""
     bh, n_queries, d = q.shape
+    group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
-        n_queries, k.shape[1], sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, LONGEST_FIRST=longest_first,
-        **cfg.launch_kwargs(),
+        n_queries, k.shape[1], group, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
+        LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )

@@ -126,6 +126,15 @@ def qkv_shape(batch_size: int, heads: int | None, seq_len: int, head_dim: int) -
     return (batch_size, heads, seq_len, head_dim)
 
 
+def kv_shape(batch_size: int, heads: int | None, kv_heads: int | None, seq_len: int, head_dim: int) -> tuple[int, ...]:
+    """K and V's shape: q's, or (B, Hkv, N, d) for grouped-query attention (``kv_heads`` dividing ``heads``)."""
+    if kv_heads is None:
+        return qkv_shape(batch_size, heads, seq_len, head_dim)
+    if heads is None or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads (grouped-query attention); got heads={heads}, kv_heads={kv_heads}")
+    return (batch_size, kv_heads, seq_len, head_dim)
+
+
 def case_flops(case: dict) -> float:
     """Model FLOPs of one step of an attention case (`flops.attention_flops`; causal halves them)."""
     batch_heads = case["batch_size"] * (case.get("heads") or 1)
@@ -136,9 +145,9 @@ def case_flops(case: dict) -> float:
 def step_arguments(case: dict) -> dict:
     """The `attention_step` keyword arguments named by a benchmarks.json attention case."""
     return dict(
-        impl=case["impl"], batch_size=case["batch_size"], heads=case.get("heads"), seq_len=case["seq_len"],
-        head_dim=case["head_dim"], dtype=case["dtype"], causal=case["causal"], mode=case["mode"],
-        compile=case.get("compile", False),
+        impl=case["impl"], batch_size=case["batch_size"], heads=case.get("heads"), kv_heads=case.get("kv_heads"),
+        seq_len=case["seq_len"], head_dim=case["head_dim"], dtype=case["dtype"], causal=case["causal"],
+        mode=case["mode"], compile=case.get("compile", False),
     )
 
 
@@ -163,12 +172,14 @@ def _check_dtype(dtype: str) -> torch.dtype:
 
 
 def random_inputs(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, requires_grad: bool, seed: int = 0
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, requires_grad: bool, seed: int = 0,
+    kv: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v and dO of ``shape``: standard normal, drawn in float32 from a seeded generator, then cast."""
+    """q, k, v and dO of ``shape`` (k and v of shape ``kv`` when given: grouped-query attention): standard
+    normal, drawn in float32 from a seeded generator, then cast."""
     generator = torch.Generator(device).manual_seed(seed)
     q, k, v, grad_out = (
-        torch.randn(shape, device=device, generator=generator).to(dtype) for _ in range(4)
+        torch.randn(s, device=device, generator=generator).to(dtype) for s in (shape, kv or shape, kv or shape, shape)
     )
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
@@ -186,6 +197,10 @@ def _blocked_attention(
     wider of ``dtype`` and float32) and rounded to ``dtype`` once.
     """
     backward = grad_out is not None
+    kv_lead, group = k.shape[:-2], 1
+    if q.shape[:-2] != kv_lead:  # grouped-query attention: each K/V head serves `group` query heads
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (t.detach().repeat_interleave(group, dim=-3) for t in (k, v))
     lead, n_queries, n_keys, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
     qf, kf, vf = (t.detach().to(dtype).reshape(-1, t.shape[-2], d) for t in (q, k, v))  # (BH, N, d)
     kf.requires_grad_(backward)
@@ -218,8 +233,11 @@ def _blocked_attention(
                 dk += g_k
                 dv += g_v
             del scores, o_block
-    results = [out] if not backward else [out, dq, dk.to(dtype), dv.to(dtype)]
-    return [t.reshape(*lead, -1, d) for t in results]
+    if not backward:
+        return [out.reshape(*lead, -1, d)]
+    # dK, dV of the repeated heads summed over each group (in the accumulation dtype), then rounded once
+    dk, dv = (t.reshape(*kv_lead, group, n_keys, d).sum(-3) for t in (dk, dv))
+    return [out.reshape(*lead, -1, d), dq.reshape(*lead, -1, d), dk.to(dtype), dv.to(dtype)]
 
 
 def reference(
@@ -403,6 +421,7 @@ def attention_step(
     seq_len: int,
     head_dim: int,
     heads: int | None = None,
+    kv_heads: int | None = None,
     dtype: str = "fp32",
     causal: bool = False,
     mode: str = "forward",
@@ -426,7 +445,7 @@ def attention_step(
     fn = attention_function(impl, compile=compile)
     q, k, v, grad_out = random_inputs(
         qkv_shape(batch_size, heads, seq_len, head_dim), torch_dtype, device, requires_grad=mode != "forward",
-        seed=seed,
+        seed=seed, kv=kv_shape(batch_size, heads, kv_heads, seq_len, head_dim),
     )
     if check:
         metrics.update(check_accuracy(fn, q, k, v, grad_out, causal=causal, mode=mode, dtype=dtype, impl=impl))
