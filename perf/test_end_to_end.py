@@ -1,6 +1,8 @@
 """End-to-end LM benchmarks (cases from benchmarks.json).
 
-end_to_end    size x context x batch x mode x precision x eager/compiled
+end_to_end    size x context x batch x mode x precision x eager/compiled x implementation: our model ("own") or a
+              baseline of the same size ("hf-llama": transformers' LlamaForCausalLM), timed in the same run.
+              A baseline whose package is missing is skipped with the install command as the reason.
 checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt, nested): time and peak memory
 warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
               steps include allocator growth, cuBLAS/cuDNN heuristics and (compiled) compilation: a
@@ -17,12 +19,17 @@ from cs336_systems.bench.workloads import lm as workloads
 
 
 def _run_lm_case(case, bench, device):
+    impl = case.get("impl", workloads.DEFAULT_IMPL)
+    reason = workloads.unavailable_reason(impl)
+    if reason is not None:
+        pytest.skip(reason)
+    # The baselines have our model's parameters (tests/bench/test_hf_llama.py), hence its FLOPs per step.
     cfg = model.config(case["size"], context_length=case["context"], attention=case["attention"])
     bench(
         lambda: workloads.lm_step(
             size=case["size"], context=case["context"], batch_size=case["batch_size"],
             mode=case["mode"], precision=case["precision"], compile=case["compile"],
-            attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device,
+            attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device, impl=impl,
         ),
         case=case,
         flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),

@@ -26,7 +26,8 @@ Rules checked at load time, so that nothing that loads can fail later inside a c
 
 * values have the type and range their workload needs (``sizes_mb``: finite, a whole number of float32
   elements, at least one; bucket sizes finite and positive; no bucket size on a variant without buckets;
-  no fp16 on a sharded data-parallel variant; no graph timing of mode backward);
+  no fp16 on a sharded data-parallel variant; no graph timing of mode backward; an end-to-end baseline
+  implementation such as hf-llama only with attention sdpa);
 * a case's identity is its test id (`case_id`): two grids of one profile whose cases share an id but
   differ in a field the id leaves out (``rounds``, ``inner_iters``) are an error naming both grids, since
   pytest would rename them ``..._0`` / ``..._1`` and saved runs would no longer pair up.  Cases equal in
@@ -49,8 +50,10 @@ from pathlib import Path
 from cs336_systems.amp import PRECISIONS
 from cs336_systems.bench.workloads.attention import DTYPES as ATTENTION_DTYPES
 from cs336_systems.bench.workloads.attention import MODES as ATTENTION_MODES
-from cs336_systems.model import SIZES
+from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
+from cs336_systems.bench.workloads.lm import IMPLS as LM_IMPLS
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
+from cs336_systems.model import SIZES
 
 PROFILES = ("cpu", "gpu", "full")
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "benchmarks.json"
@@ -146,6 +149,11 @@ def _checkpoint_policy(value: object, where: str) -> str:
         raise MatrixError(f"{where}: {exc}") from None
 
 
+# The end-to-end suite also sweeps the implementation of the model (cs336_systems.bench.workloads.lm.IMPLS):
+# "own" (cs336_systems.model, the default) or a baseline of the same size ("hf-llama": transformers'
+# LlamaForCausalLM), so that both are timed in one run.
+_E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL])}
+
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
 _CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
 
@@ -233,7 +241,7 @@ _DATA_PARALLEL_GRID = {
 }
 
 SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
-    "end_to_end": _LM_GRID,
+    "end_to_end": _E2E_GRID,
     "warmup_study": _WARMUP_GRID,
     "checkpointing": _CHECKPOINT_GRID,
     "attention": _ATTENTION_GRID,
@@ -273,7 +281,8 @@ _SINGULAR = {
 # Case field -> how it appears in a test id, in id order.  A case shows only the fields it has, so LM
 # ids (small-ctx128-b4-forward-bf16-eager-sdpa-w5) and attention ids
 # (naive-b8-n1024-d64-backward-fp32-full-eager-w5) share one table.  Fields left out (rounds, inner_iters,
-# group) say how long or in which run a case is measured, not which case it is.
+# group) say how long or in which run a case is measured, not which case it is.  An LM case's impl shows only
+# when it is a baseline (hf-llama-xl-ctx512-...): our own model's ids are the ids saved before the impl axis.
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
@@ -297,6 +306,8 @@ def case_id(case: dict) -> str:
         elif key == "flush_l2":
             if case[key]:
                 parts.append("l2flush")
+        elif key == "impl" and "size" in case and case[key] == LM_DEFAULT_IMPL:
+            continue  # our own LM (an LM case has a size; an attention case's impl is always shown)
         elif key == "timing":
             if case[key] != "host":  # the default keeps the ids saved before timings existed
                 parts.append(f"{case[key]}time")
@@ -365,6 +376,17 @@ def _no_fp16_on_sharded_variants(grid: dict, where: str) -> None:
                           "ranks would skip different steps; use bf16 or fp32")
 
 
+def _baselines_run_sdpa_only(grid: dict, where: str) -> None:
+    if "attention" not in grid:  # not an LM grid (attention grids name kernels in "impls")
+        return
+    baselines = [i for i in grid.get("impls", ()) if i != LM_DEFAULT_IMPL]
+    other = [a for a in grid["attention"] if a != "sdpa"]
+    if baselines and other:
+        # transformers' attention is its own attn_implementation ("sdpa"), not one of our kernels
+        raise MatrixError(f"{where}: impls {baselines} run attention 'sdpa' only, but the grid also crosses them "
+                          f"with attention {other}; put those in a grid of their own")
+
+
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -377,7 +399,7 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
-               _kv_heads_divide_heads)
+               _baselines_run_sdpa_only, _kv_heads_divide_heads)
 
 
 def case_fields(suite: str) -> set[str]:

@@ -1,14 +1,20 @@
 """End-to-end LM tables.
 
 Tables for the end-to-end suites:
-  * per (precision, eager/compiled, attention): size x context rows, per mode mean +- std ms and MFU,
-    tokens/s and peak memory of the train step; OOM cells say OOM;
+  * per (implementation, precision, eager/compiled, attention): size x context rows, per mode mean +- std ms
+    and MFU, tokens/s and peak memory of the train step; OOM cells say OOM;
+  * our model vs the Hugging Face LlamaForCausalLM baseline (impl "hf-llama"): both medians and "own / HF",
+    the ratio the gates judge, only where both ran in the same saved run;
   * fp32 vs bf16, eager vs compiled and naive vs sdpa attention: same-run medians and speedup;
   * the warm-up study: mean +- std per number of warm-up steps.
+
+Runs saved before the end-to-end suite had an implementation axis measured our own model: an entry without
+``impl`` counts as "own".
 """
 
 from __future__ import annotations
 
+from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as OWN
 from cs336_systems.reporting.tables import (
     LM_FIELDS,
     MODE_ORDER,
@@ -16,25 +22,37 @@ from cs336_systems.reporting.tables import (
     compile_label,
     fmt,
     md_table,
+    same_run_ratio,
     size_order,
     stat_ms,
 )
 
+HF = "hf-llama"
+IMPL_TITLES = {HF: "Hugging Face LlamaForCausalLM"}
+
+
+def impl_of(entry: dict) -> str:
+    """The implementation an end-to-end entry measured (module docstring: no ``impl`` means our own)."""
+    return entry.get("impl") or OWN
+
+
+def _mfu_cell(entry: dict | None) -> str:
+    mfu = entry.get("mfu") if entry and entry.get("status") == "ok" else None
+    return fmt(None if mfu is None else 100 * mfu, ".1f") + ("%" if mfu else "")
+
 
 def end_to_end_tables(entries: list[dict]) -> str:
-    """One table per (precision, eager/compiled, attention, batch size): size x context rows."""
+    """One table per (implementation, precision, eager/compiled, attention, batch size): size x context rows;
+    our model's tables first, titled as before the baselines existed."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end"]
     out = []
-    variants = sorted(
-        {(e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size")) for e in lm},
-        key=str,
-    )
-    for precision, compiled, attention, batch in variants:
-        subset = [
-            e for e in lm
-            if (e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size"))
-            == (precision, compiled, attention, batch)
-        ]
+
+    def variant(e: dict) -> tuple:
+        return impl_of(e), e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size")
+
+    for impl, precision, compiled, attention, batch in sorted({variant(e) for e in lm},
+                                                              key=lambda v: (v[0] != OWN, str(v))):
+        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch)]
         modes = [m for m in MODE_ORDER if any(e.get("mode") == m for e in subset)]
         cells = {(e["size"], e["context"], e["mode"]): e for e in subset}
         header = ["size", "context"]
@@ -56,23 +74,53 @@ def end_to_end_tables(entries: list[dict]) -> str:
                 fmt(last.get("peak_memory_gib") if ok else None, ".1f") if ok else ("OOM" if last else "-"),
             ]
             rows.append(row)
-        title = f"### End-to-end: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
+        which = "" if impl == OWN else f", {impl} baseline ({IMPL_TITLES.get(impl, impl)})"
+        title = f"### End-to-end{which}: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
         out.append(title + "\n\n" + md_table(header, rows))
     return "\n\n".join(out)
 
 
-def comparison_table(entries: list[dict], field: str, baseline, variant, title: str) -> str:
-    """Pair cases that differ only in ``field`` (baseline vs variant): medians and speedup."""
+def baseline_table(entries: list[dict]) -> str:
+    """Our model against the hf-llama baseline, case by case: each baseline row with our twin (same size,
+    context, batch, mode, precision, eager/compiled, attention), both medians and MFU, and "own / HF" (time
+    ratio: below 1 ours is faster), only when both were timed in the same saved run."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end"]
-    others = [f for f in LM_FIELDS if f != field]
-    index = {(tuple(e.get(f) for f in others), e.get(field)): e for e in lm}
+    baselines = [e for e in lm if impl_of(e) == HF]
+    if not baselines:
+        return ""
+    rows = []
+    for hf in sorted(baselines, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
+                                              else len(MODE_ORDER), str(e.get("precision")), bool(e.get("compile")))):
+        key = tuple(hf.get(f) for f in LM_FIELDS)
+        twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in LM_FIELDS) == key]
+        own = next((e for e in twins if e.get("run") == hf.get("run")), twins[-1] if twins else None)
+        ratio = same_run_ratio(own, hf)
+        own_ms, hf_ms = stat_ms(own), stat_ms(hf)
+        rows.append([str(hf.get("size")), str(hf.get("context")), str(hf.get("batch_size")), str(hf.get("mode")),
+                     str(hf.get("precision")), compile_label(hf.get("compile")), str(hf.get("attention")),
+                     fmt(own_ms, ".2f") if own_ms else cell_time(own), fmt(hf_ms, ".2f") if hf_ms else cell_time(hf),
+                     fmt(ratio, ".2f"), _mfu_cell(own), _mfu_cell(hf)])
+    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own median ms",
+              "HF median ms", "own / HF", "own MFU", "HF MFU"]
+    return (f"### Own model vs {HF} ({IMPL_TITLES[HF]})\n\n" + md_table(header, rows)
+            + "\n\nown / HF: our median over the baseline's, same saved run only (\"-\" where either is missing or "
+            "they come from different runs); below 1, ours is faster.")
+
+
+def comparison_table(entries: list[dict], field: str, baseline, variant, title: str) -> str:
+    """Pair cases that differ only in ``field`` (baseline vs variant): medians and speedup.  Within one
+    implementation; its column shows only when the entries measured several."""
+    lm = [{**e, "impl": impl_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
+    shown = [f for f in LM_FIELDS if f != field]
+    others = (["impl"] if len({e["impl"] for e in lm}) > 1 else []) + shown
+    index = {(tuple(e.get(f) for f in ["impl", *shown]), e.get(field)): e for e in lm}
     rows = []
     for (rest, value), base in sorted(index.items(), key=lambda kv: (size_order(kv[1]), str(kv[0]))):
         if value != baseline or (rest, variant) not in index:
             continue
         other = index[(rest, variant)]
         b, v = stat_ms(base), stat_ms(other)
-        case = dict(zip(others, rest))
+        case = dict(zip(["impl", *shown], rest))
         label = [str(case.get(f)) if f != "compile" else compile_label(case.get(f)) for f in others]
         speedup = f"{b / v:.2f}x" if b and v else "-"
         rows.append(label + [fmt(b, ".2f") if b else cell_time(base),
@@ -101,7 +149,7 @@ def peak_memory_tables(entries: list[dict]) -> str:
     """End-to-end peak memory (GiB, measured rounds only) per size x context, one column per (mode,
     precision): the handout's "peak memory of the 2.7B model" table, for every size that ran."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
-          and e.get("attention") == "sdpa"]
+          and e.get("attention") == "sdpa" and impl_of(e) == OWN]  # our model's memory; baselines in their tables
     cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}
     columns = [(m, p) for m in MODE_ORDER for p in ("fp32", "bf16", "fp16")
                if any(k[3] == m and k[4] == p for k in cells)]

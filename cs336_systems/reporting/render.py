@@ -43,6 +43,7 @@ from cs336_systems.reporting.distributed import (
     data_parallel_tables,
 )
 from cs336_systems.reporting.lm import (
+    baseline_table,
     checkpointing_tables,
     comparison_table,
     end_to_end_tables,
@@ -86,6 +87,7 @@ def render(paths: list[str | Path], plots_dir: str | Path | None = None,
         "(cs336_systems.bench.machine) unless the run passed --peak-tflops."
         if any(e.get("test") in ("test_end_to_end", "test_warmup_study") for e in entries) else "",
         end_to_end_tables(entries),
+        baseline_table(entries),
         comparison_table(entries, "precision", "fp32", "bf16", "fp32 vs bf16 autocast"),
         comparison_table(entries, "compile", False, True, "eager vs torch.compile"),
         comparison_table(entries, "attention", "naive", "sdpa", "naive vs SDPA attention"),

@@ -187,7 +187,7 @@ def test_committed_table_parses_and_covers_the_sweep():
     for key, cfgs in table.items():
         assert set(cfgs) == set(KERNELS), key
         for kernel, cfg in cfgs.items():
-            assert cfg in flash_configs.SEARCH_SPACE[(kernel, key.dtype)] or cfg in flash_configs.default_config(key).values()
+            assert cfg in flash_configs.search_space(kernel, key) or cfg in flash_configs.default_config(key).values()
     for d in (64, 128):
         if table:
             assert flash_configs.nearest_tuned(ShapeKey(d, "half", True, 16384, 1), table) is not None

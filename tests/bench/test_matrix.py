@@ -51,7 +51,8 @@ def test_cases_are_the_product_without_duplicates():
     cases = matrix.parse(data).cases("end_to_end", "cpu")
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
-                        "compile": False, "attention": "sdpa", "warmup": 1, "rounds": 2, "group": "default"}
+                        "compile": False, "attention": "sdpa", "impl": "own", "warmup": 1, "rounds": 2,
+                        "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
 
@@ -423,3 +424,63 @@ def test_case_ids_are_unique_in_every_profile_of_the_repository_matrix(data):
         for profile in matrix.PROFILES:
             ids = [matrix.case_id(c) for c in m.cases(suite, profile)]
             assert len(ids) == len(set(ids)), (suite, profile)
+
+
+# --- the end-to-end implementation axis: our model and the hf-llama baseline -------------------------------
+
+def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_run(data):
+    cases = matrix.parse(data).cases("end_to_end", "gpu", {"e2e-hf"})
+    ids = {matrix.case_id(c) for c in cases}
+    expected = {f"{prefix}{size}-ctx512-b4-{mode}-bf16-{compiled}-sdpa-w5"
+                for prefix in ("", "hf-llama-") for size in ("xl", "2.7B") for mode in ("forward", "train-step")
+                for compiled in ("eager", "compiled")}
+    assert ids == expected
+    assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}
+
+
+def test_own_case_ids_are_the_ids_saved_before_the_impl_axis(data):
+    """Saved runs and baselines pair cases by id: our model's cases keep theirs (no impl in them)."""
+    m = matrix.parse(data)
+    for profile in matrix.PROFILES:
+        own = [c for c in m.cases("end_to_end", profile) if c["impl"] == "own"]
+        assert own, profile
+        for case in own:
+            without = {k: v for k, v in case.items() if k != "impl"}
+            assert matrix.case_id(case) == matrix.case_id(without)
+            assert "own" not in matrix.case_id(case).split("-")
+
+
+def test_every_profile_runs_the_baseline_beside_our_model(data):
+    m = matrix.parse(data)
+    for profile in matrix.PROFILES:
+        cases = m.cases("end_to_end", profile)
+        hf = [c for c in cases if c["impl"] == "hf-llama"]
+        assert hf and all(c["attention"] == "sdpa" for c in hf), profile
+        own = {matrix.case_id({**c, "impl": "own"}) for c in cases if c["impl"] == "own"}
+        # every baseline case has our twin in the same profile: the report's own / HF needs both
+        assert all(matrix.case_id({**c, "impl": "own"}) in own for c in hf), profile
+
+
+def test_attention_ids_keep_their_impl():
+    grid = {"impls": ["sdpa"], "batch_sizes": [1], "seq_lens": [8], "head_dims": [16], "dtypes": ["fp32"],
+            "causal": [True], "modes": ["forward"], "warmup": 0, "rounds": 1}
+    (case,) = matrix.parse({"suites": {"attention": {"profiles": {"cpu": [grid]}}}}).cases("attention", "cpu")
+    assert matrix.case_id(case).startswith("sdpa-b1-n8-d16")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"impls": ["own", "hf"]}, r"cpu\[0\]\.impls\[1\]: unknown value 'hf'; valid: own, hf-llama"),
+    ({"impls": ["hf-llama"], "attention": ["sdpa", "naive"]},
+     (r"cpu\[0\]: impls \['hf-llama'\] run attention 'sdpa' only, but the grid also crosses them with attention "
+      r"\['naive'\]")),
+    ({"impls": []}, r"cpu\[0\]\.impls: expected a non-empty list"),
+])
+def test_bad_impls_name_the_problem(changes, match):
+    with pytest.raises(MatrixError, match=match):
+        matrix.parse({"suites": {"end_to_end": {"profiles": {"cpu": [_lm_grid(**changes)]}}}})
+
+
+def test_the_impl_axis_belongs_to_the_end_to_end_suite_only():
+    grid = {**_lm_grid(impls=["hf-llama"]), "checkpoints": ["none"]}
+    with pytest.raises(MatrixError, match=r"checkpointing\.profiles\.cpu\[0\]: unknown key 'impls'"):
+        matrix.parse({"suites": {"checkpointing": {"profiles": {"cpu": [grid]}}}})

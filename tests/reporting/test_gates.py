@@ -175,9 +175,12 @@ def test_a_gate_of_groups_the_run_did_not_select_is_not_applicable_and_names_the
     profile_cases = [{**c, "suite": s} for s in m.suites for c in m.cases(s, "gpu")]
     other = {**_entry("naive", "forward", 1.0), "suite": "flash", "group": "flash-bf16-graph"}
     checks = gates.evaluate(m.gates, _run([other]), gates.case_fields_of(m), profile_cases)
-    assert [c.verdict for c in checks] == ["not applicable", "not applicable"] and all(c.ok for c in checks)
+    assert [c.verdict for c in checks] == ["not applicable"] * len(m.gates) and all(c.ok for c in checks)
     assert checks[0].case == "needs group leaderboard, not selected"
     assert checks[1].case == "needs group ddp-bf16 or ddp-fp32, not selected"
+    # own vs HF Llama: the groups that list an own case with an HF twin (e2e-hf lists both)
+    assert checks[2].case == "needs group e2e-compiled or e2e-hf or e2e-xl, not selected"
+    assert checks[3].case == "needs group e2e-2.7B or e2e-compiled or e2e-hf, not selected"
     assert gates.summary(checks) == "ratio gates: none applies to this run"
 
 
@@ -200,7 +203,8 @@ def test_cli_derives_the_selection_of_runs_saved_without_one_from_the_matrix(tmp
     run = _saved_run(entries)
     del run["perf_not_timed"]
     assert _cli(tmp_path, run) == 0
-    assert "ratio gates: all 2 measured pairs hold (1 gate(s) not applicable)" in capsys.readouterr().out
+    idle = len(m.gates) - 1  # every gate but the leaderboard's
+    assert f"ratio gates: all 2 measured pairs hold ({idle} gate(s) not applicable)" in capsys.readouterr().out
     run["benchmarks"] = [b for b in run["benchmarks"]
                          if not (b["extra_info"]["impl"] == "flash-triton" and b["extra_info"]["compile"])]
     assert _cli(tmp_path, run) == 1  # the compiled flash-triton cases are missing from a leaderboard run
@@ -212,7 +216,7 @@ def test_cli_on_a_cpu_run_lists_the_gates_as_not_applicable(tmp_path, capsys):
     naive = {**_entry("naive", "forward", 1.0), "group": "leaderboard-cpu"}
     assert _cli(tmp_path, _saved_run([naive], profile="cpu", perf_groups=["leaderboard-cpu"])) == 0
     out = capsys.readouterr().out
-    assert out.count("| not applicable |") == 2 and "ok |" not in out
+    assert out.count("| not applicable |") == len(matrix.load(ROOT / "benchmarks.json").gates) and "ok |" not in out
     assert "profile cpu, groups leaderboard-cpu" in out
 
 
@@ -265,3 +269,55 @@ def test_max_ratio_must_be_finite_and_positive(ratio):
 def test_a_float_gate_value_matches_an_integer_grid_value():
     """Pairing compares with ==, so 100.0 selects the cases of bucket size 100; validation agrees."""
     matrix.parse(_matrix_with({**DDP_GATE, "numerator": {"variant": "bucketed", "bucket_size_mb": 100.0}}))
+
+
+# --- our LM against the hf-llama baseline: eager with eager, compiled with compiled, in one run -------------
+
+def _e2e_gates_and_cases():
+    m = matrix.load(ROOT / "benchmarks.json")
+    e2e = [g for g in m.gates if g["suite"] == "end_to_end"]
+    cases = [{**c, "suite": "end_to_end"} for c in m.cases("end_to_end", "gpu", {"e2e-hf"})]
+    return m, e2e, cases
+
+
+def test_own_vs_hf_gates_judge_each_size_eager_and_compiled_against_the_same_mode_of_hf():
+    m, e2e, cases = _e2e_gates_and_cases()
+    assert {g["where"]["size"] for g in e2e} == {"xl", "2.7B"} and all(g["max_ratio"] == 0.90 for g in e2e)
+    own_ms = {("xl", False): 85.0, ("xl", True): 95.0, ("2.7B", False): 91.0, ("2.7B", True): 80.0}
+
+    def timed(case):
+        ms = 100.0 if case["impl"] == "hf-llama" else own_ms[(case["size"], case["compile"])]
+        return {**case, "stats": {"median": ms / 1e3, "mean": ms / 1e3, "min": ms / 1e3}}
+
+    checks = gates.evaluate(e2e, gates.RunCases(cases, [timed(c) for c in cases]), gates.case_fields_of(m))
+    assert len(checks) == 4
+    got = {(c.gate.split(" at ")[1].split(",")[0], "compile=True" in c.case): (round(c.ratio, 6), c.verdict)
+           for c in checks}
+    assert got == {("xl", False): (0.85, "ok"), ("xl", True): (0.95, "VIOLATED"),
+                   ("2.7B", False): (0.91, "VIOLATED"), ("2.7B", True): (0.8, "ok")}
+    assert all("context=512" in c.case and "mode" not in c.case for c in checks)  # forward cases are not judged
+
+
+def test_a_baseline_skipped_for_want_of_transformers_fails_its_gate_with_the_reason():
+    m, e2e, cases = _e2e_gates_and_cases()
+    own = [{**c, "stats": {"median": 0.08, "mean": 0.08, "min": 0.08}} for c in cases if c["impl"] == "own"]
+    reason = "skipped: transformers not installed: pip install -e .[baselines]"
+    reasons = {gates.case_key(c): reason for c in cases if c["impl"] == "hf-llama"}
+    checks = gates.evaluate(e2e, gates.RunCases(cases, own, reasons), gates.case_fields_of(m))
+    assert len(checks) == 4 and all(c.verdict == "NOT MEASURED" and not c.ok for c in checks)
+    assert all(c.problem.startswith("denominator hf-llama-") and c.problem.endswith(reason) for c in checks)
+
+
+def test_e2e_gate_values_are_checked_against_the_end_to_end_grids():
+    _, e2e, _ = _e2e_gates_and_cases()
+    bad = copy.deepcopy(e2e[0])
+    bad["denominator"]["impl"] = "hf-lama"
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.denominator\.impl: unknown value 'hf-lama'; valid: "
+                                                 r"own, hf-llama"):
+        matrix.parse(_matrix_with(bad))
+    bad = copy.deepcopy(e2e[0])
+    bad["where"]["size"] = "tiny"  # a size the end-to-end grids have, so it validates...
+    matrix.parse(_matrix_with(bad))
+    bad["where"]["size"] = "7B"  # ...and one they do not
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.where\.size: unknown value '7B'"):
+        matrix.parse(_matrix_with(bad))

@@ -825,3 +825,66 @@ def test_peak_memory_table_per_mode_and_precision(tmp_path):
     text = lm_tables.peak_memory_tables(tables.load_runs([_run(tmp_path, "m.json", entries + [compiled])])[0])
     assert "| size | context | batch | forward fp32 GiB | forward bf16 GiB | train-step fp32 GiB |" in text
     assert "| 2.7B | 128 | 4 | 12.90 | 19.10 | 51.00 |" in text and "99.00" not in text
+
+
+# --- our model against the hf-llama baseline ------------------------------------------------------------------
+
+def _impl(bench, impl):
+    bench["extra_info"]["impl"] = impl
+    return bench
+
+
+def test_end_to_end_report_shows_baseline_rows_and_own_over_hf_where_both_ran_in_one_run(tmp_path):
+    first = _run(tmp_path, "a.json", [
+        _bench("xl", 512, "train-step", "bf16", False, 0.080),  # saved before the impl axis: our model
+        _impl(_bench("xl", 512, "train-step", "bf16", False, 0.100), "hf-llama"),
+        _impl(_bench("xl", 512, "train-step", "bf16", True, 0.070), "own"),
+    ])
+    second = _run(tmp_path, "b.json", [_impl(_bench("xl", 512, "train-step", "bf16", True, 0.090), "hf-llama")])
+    text = report.render([first, second])
+    own = _section(text, "### End-to-end: bf16, eager, attention=sdpa, batch=4")
+    assert "| xl | 512 | 80.00 ± 0.80 |" in own and "100.00" not in own
+    hf = _section(text, "### End-to-end, hf-llama baseline (Hugging Face LlamaForCausalLM): bf16, eager, "
+                        "attention=sdpa, batch=4")
+    assert "| xl | 512 | 100.00 ± 1.00 |" in hf and "80.00" not in hf
+    assert text.index("### End-to-end: bf16, eager") < text.index("### End-to-end, hf-llama baseline")
+    versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
+    assert "| size | context | batch | mode | precision | compile | attention | own median ms | HF median ms | " \
+           "own / HF |" in versus
+    assert "| xl | 512 | 4 | train-step | bf16 | eager | sdpa | 80.00 | 100.00 | 0.80 | 25.0% | 25.0% |" in versus
+    # compiled: both measured, but in two saved runs: no ratio
+    assert "| xl | 512 | 4 | train-step | bf16 | compiled | sdpa | 70.00 | 90.00 | - |" in versus
+    # eager vs compiled pairs within one implementation, never ours with the baseline
+    speedups = _section(text, "### eager vs torch.compile")
+    assert "| own | xl | 512 | 4 | train-step | bf16 | sdpa | 80.00 | 70.00 | 1.14x |" in speedups
+    assert "| hf-llama | xl | 512 | 4 | train-step | bf16 | sdpa | 100.00 | 90.00 | 1.11x |" in speedups
+    assert "hf-llama" not in _section(text, "### Peak memory (eager, SDPA attention)")
+
+
+def test_without_a_baseline_there_is_no_baseline_table_or_impl_column(tmp_path):
+    text = report.render([_run(tmp_path, "a.json", [_bench("xl", 512, "forward", "bf16", False, 0.01),
+                                                    _bench("xl", 512, "forward", "bf16", True, 0.005)])])
+    assert "Own model vs" not in text and "hf-llama" not in text
+    assert "| size | context | batch_size | mode | precision | attention | False median ms |" in text
+
+
+def test_readme_headline_adds_hf_rows_and_own_over_hf_columns_when_the_runs_have_the_baseline(tmp_path):
+    def e2e(mode, compiled, median_s, impl):
+        bench = _impl(_bench("2.7B", 512, mode, "bf16", compiled, median_s), impl)
+        bench["extra_info"] |= {"tflops": 300.0, "peak_tflops": 989.4}
+        return bench
+
+    run = _run(tmp_path, "hf.json", [
+        e2e("forward", False, 0.040, "own"),
+        e2e("train-step", False, 0.150, "own"), e2e("train-step", False, 0.200, "hf-llama"),
+        e2e("train-step", True, 0.120, "own"), e2e("train-step", True, 0.150, "hf-llama"),
+    ])
+    entries, machines = tables.load_runs([run])
+    table = readme_results.headline_table(entries, machines)
+    assert ("| mode | impl | eager median ms | eager TFLOP/s | eager MFU | compiled median ms | compiled TFLOP/s | "
+            "compiled MFU | compiled ÷ eager | own / HF eager | own / HF compiled |") in table
+    assert "| forward | own | 40.00 | 300 | 25.0% | - | - | - | - | - | - |" in table
+    assert "| train-step | own | 150.00 | 300 | 25.0% | 120.00 | 300 | 25.0% | 0.80 | 0.75 | 0.80 |" in table
+    assert "| train-step | hf-llama | 200.00 | 300 | 25.0% | 150.00 | 300 | 25.0% | 0.75 | - | - |" in table
+    assert "| forward | hf-llama |" not in table  # the baseline's forward did not run
+    assert "hf-llama: Hugging Face LlamaForCausalLM of the same size" in table

@@ -262,6 +262,14 @@ WIDE_SEARCH_SPACE = {
 }
 
 
+def search_space(kernel: str, key: ShapeKey) -> tuple[TileConfig, ...]:
+    """The hand-picked configurations for `kernel` at `key`, before pruning: `WIDE_SEARCH_SPACE` for 256-wide
+    half-precision tiles, `SEARCH_SPACE` otherwise."""
+    if key.head_dim > 128 and key.dtype == "half":
+        return WIDE_SEARCH_SPACE[kernel]
+    return SEARCH_SPACE[(kernel, key.dtype)]
+
+
 def candidates(kernel: str, key: ShapeKey) -> list[TileConfig]:
     """The configurations the autotuner tries for `kernel` at `key`: `SEARCH_SPACE` (`WIDE_SEARCH_SPACE` for 256-wide
     half-precision tiles), pruned.
@@ -276,8 +284,7 @@ def candidates(kernel: str, key: ShapeKey) -> list[TileConfig]:
     element = 2 if key.dtype == "half" else 4
     limit = max(key.n_bucket, 64)
     out = []
-    space = WIDE_SEARCH_SPACE[kernel] if key.head_dim > 128 and key.dtype == "half" else SEARCH_SPACE[(kernel, key.dtype)]
-    for cfg in space:
+    for cfg in search_space(kernel, key):
         if max(cfg.block_m, cfg.block_n) > limit:
             continue
         if _shared_bytes(kernel, cfg.block_m, cfg.block_n, key.head_dim, element, cfg.num_stages) > 200 * 1024:

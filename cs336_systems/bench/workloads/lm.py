@@ -9,38 +9,68 @@ Modes:
 zero-argument step; pass it to the harness as a setup (``lambda: lm_step(...)``) so an OOM while
 building is recorded like any other.
 
+Implementations (``impl``, `IMPLS`):
+  "own"       `cs336_systems.model` (the default; the attention kernel is chosen by ``attention``)
+  "hf-llama"  Hugging Face transformers' LlamaForCausalLM of the same size (`hf_llama`): the baseline.
+              SDPA attention only, no activation checkpointing; needs the `baselines` extra
+              (`unavailable_reason` says so when it is missing).
+Both run the same step: the same batch (one generator, one seed), autocast, logits -> the same
+`F.cross_entropy` -> backward, the same AdamW; only the model that turns tokens into logits differs.
+
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
-and static shapes give the best kernels.  Dynamo's caches are reset first so cases never share (and
-exhaust) a recompile budget.
+and static shapes give the best kernels.  The baseline's decoder layers and final norm are compiled the
+same way (`compile_each`).  Dynamo's caches are reset first so cases never share (and exhaust) a
+recompile budget.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from cs336_systems import amp
+from cs336_systems.bench.workloads import hf_llama
 from cs336_systems.model import TransformerBlock, TransformerLM, build
 
-
 MODES = ("forward", "forward-backward", "train-step")
+IMPLS = ("own", "hf-llama")
+DEFAULT_IMPL = "own"
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+    return impl
+
+
+def unavailable_reason(impl: str) -> str | None:
+    """Why ``impl`` cannot run in this environment (e.g. transformers not installed), or None if it can."""
+    if check_impl(impl) == "hf-llama":
+        return hf_llama.unavailable_reason()
+    return None
+
+
+def compile_each(modules: Iterable[nn.Module]) -> None:
+    """Compile each module in place, separately, with static shapes, after resetting dynamo's caches."""
+    torch._dynamo.reset()
+    for module in modules:
+        module.compile(dynamic=False)
 
 
 def compile_blocks(model: TransformerLM) -> TransformerLM:
     """Compile every TransformerBlock and the final norm in place; returns the model."""
-    torch._dynamo.reset()
-    for module in model.modules():
-        if isinstance(module, TransformerBlock):
-            module.compile(dynamic=False)
-    model.final_norm.compile(dynamic=False)
+    compile_each([*(m for m in model.modules() if isinstance(m, TransformerBlock)), model.final_norm])
     return model
 
 
 class LMStep:
     """A zero-argument step, with the model and optimizer it drives exposed for inspection."""
 
-    def __init__(self, run, model: TransformerLM, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, run, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self._run = run
         self.model = model
         self.optimizer = optimizer
@@ -63,22 +93,36 @@ def lm_step(
     vocab_size: int = 10_000,
     lr: float = 1e-4,
     seed: int = 0,
+    impl: str = DEFAULT_IMPL,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
     ``checkpoint`` is an activation-checkpointing policy (`cs336_systems.checkpointing`: "none",
     "every-k", "sqrt"): blocks recompute their activations in backward instead of keeping them.
+    ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
+    transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     amp.check_precision(precision)
+    check_impl(impl)
     device = torch.device(device)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
-                      checkpoint=checkpoint)
-    if compile:
-        compile_blocks(model)
+    if impl == "hf-llama":
+        model = hf_llama.build(size, device=device, context_length=context, attention=attention,
+                               vocab_size=vocab_size, checkpoint=checkpoint)
+        if compile:
+            compile_each(hf_llama.compile_units(model))
+
+        def logits_of(tokens: torch.Tensor) -> torch.Tensor:
+            return hf_llama.logits(model, tokens)
+    else:
+        with torch.device(device):
+            model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
+                          checkpoint=checkpoint)
+        if compile:
+            compile_blocks(model)
+        logits_of = model
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
     targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
@@ -88,7 +132,7 @@ def lm_step(
 
         def forward() -> None:
             with torch.no_grad(), amp.autocast(precision, device):
-                model(tokens)
+                logits_of(tokens)
 
         return LMStep(forward, model, None)
 
@@ -101,7 +145,7 @@ def lm_step(
     def train() -> None:
         model.zero_grad(set_to_none=True)
         with amp.autocast(precision, device):
-            logits = model(tokens)  # (B, T, V)
+            logits = logits_of(tokens)  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         if scaler is not None:
             scaler.scale(loss).backward()
