@@ -255,6 +255,8 @@ def flash_plots(entries: list[dict], machines: list[dict] | None = None) -> list
     for variant, subset in variants:
         if not any(ok_field(e, "tflops") is not None for e in subset):
             continue
+        if len({e["seq_len"] for e in subset}) < 2:  # one N (a model shape, one GQA point): the report's table says it
+            continue
         title = f"Attention {variant['mode']} TFLOP/s vs N: {_variant_title(variant)} ({_device(subset, machines)})"
         filename = _slug("flash-tflops", *_variant_slug(variant), variant["mode"]) + ".png"
         plots.append(Plot(filename, title, _flash_drawer(subset, title, variant.get("compile"))))

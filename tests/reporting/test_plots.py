@@ -277,3 +277,15 @@ def test_readme_sections_write_their_plots_and_regenerate_identically(tmp_path):
     assert readme_results.update_readme(readme, sections) is False
     assert readme.read_text() == text
     assert {p.name: p.read_bytes() for p in (runs / "plots").iterdir()} == first  # same bytes: no timestamps
+
+
+def test_flash_variants_measured_at_one_length_get_no_plot():
+    """A TFLOP/s-vs-N plot of one N is a dot per implementation: model shapes and single GQA points stay in the
+    report's tables; a grouped-query variant of several N gets a plot of its own, named with its K/V heads."""
+    one_n = [_bench("test_flash", f"{impl}-gqa", _flash(impl, 512, 64, "forward", 1.0) | {"heads": 32, "kv_heads": 8}, 1e-3)
+             for impl in ("flash-triton", "sdpa-flash")]
+    several = [_bench("test_flash", f"{impl}-{n}", _flash(impl, n, 64, "forward", 1.0) | {"heads": 32, "kv_heads": 1},
+                      1e-3) for impl in ("flash-triton", "sdpa-flash") for n in (1024, 4096)]
+    entries = [{"test": "test_flash", **b["extra_info"], "median_ms": 1.0} for b in one_n + several]
+    names = [p.filename for p in plots.flash_plots(entries)]
+    assert names == ["flash-tflops-bf16-causal-b1-h32-kv1-forward.png"], names
