@@ -164,3 +164,28 @@ def test_gpu_pinned_backend_without_a_kernel_for_the_inputs_is_refused_with_the_
                                              r"implementations that do: naive"):
             attention.attention(q, q, q, is_causal=True, impl=impl)
     assert attention.attention(q, q, q, is_causal=True, impl="sdpa-efficient").shape == q.shape
+
+
+@pytest.mark.parametrize("impl", ["naive", "naive-compiled", "sdpa"])
+def test_grouped_query_attention_matches_repeated_heads(impl):
+    """k, v with fewer heads than q: the implementations that take it agree with MHA on K/V repeated per group
+    (query head h reads K/V head h // group), values and gradients."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 20, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 20, 16, generator=g, requires_grad=True) for _ in range(2))
+    out = attention.attention(q, k, v, is_causal=True, impl=impl)
+    rep = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    expected = attention.attention(rep[0], rep[1].repeat_interleave(3, dim=1), rep[2].repeat_interleave(3, dim=1),
+                                   is_causal=True, impl="naive")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, rep, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_an_implementation_without_grouped_query_attention_refuses_it():
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"'flash-pytorch' does not support grouped-query attention .*4 query heads, "
+                                         r"2 K/V heads\); implementations that do on device cpu: naive, naive-compiled, "
+                                         r"sdpa"):
+        attention.attention(q, kv, kv, impl="flash-pytorch")
