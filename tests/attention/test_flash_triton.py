@@ -100,16 +100,26 @@ def test_grouped_query_attention_needs_a_divisor_head_count(q_heads, kv_heads, m
         attention.attention(q, kv, kv, impl="flash-triton")
 
 
-def test_group_splits_are_divisors_chosen_to_fill_the_sms(monkeypatch):
+class FakeCuda:
+    """What the launchers' grid heuristics read of a (BH, N, d) CUDA tensor: its shape and device."""
+
+    def __init__(self, bh, n, d=64):
+        self.shape, self.device = (bh, n, d), torch.device("cuda", 0)
+
+
+@pytest.fixture
+def h100_sms(monkeypatch):
     from cs336_systems.attention.kernels import flash_launch
+
+    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
+    return flash_launch
+
+
+def test_group_splits_are_divisors_chosen_to_fill_the_sms(h100_sms, monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import TileConfig
 
+    flash_launch = h100_sms
     cfg = TileConfig(64, 128, 4, 3)
-    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
-
-    class FakeCuda:
-        def __init__(self, bh, n):
-            self.shape, self.device = (bh, n, 128), torch.device("cuda", 0)
 
     # MQA, B 1, Hq 32, N 8192: 64 key tiles for 132 SMs -> 8 heads per program, 256 programs
     assert flash_launch.group_splits(FakeCuda(32, 8192), FakeCuda(1, 8192), cfg) == 8
@@ -385,16 +395,11 @@ def test_split_forward_through_autograd_matches_float64_reference(monkeypatch, i
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
-def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(monkeypatch):
-    from cs336_systems.attention.kernels import flash_launch
+def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(h100_sms, monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import TileConfig
 
+    flash_launch = h100_sms
     cfg = TileConfig(64, 64, 4, 3)
-    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
-
-    class FakeCuda:
-        def __init__(self, bh, n):
-            self.shape, self.device = (bh, n, 64), torch.device("cuda", 0)
 
     assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 4  # 32 tiles: 4 chunks of 8 key tiles
     assert flash_launch.key_splits(FakeCuda(1, 1024), 1024, cfg) == 8  # 16 tiles, 16 key tiles: 8 x 2
