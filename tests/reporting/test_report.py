@@ -166,6 +166,10 @@ def test_flash_tables_keep_host_and_device_timed_cases_of_one_run_apart(tmp_path
                             "device time (CUDA events, as do_bench) (median ms)")
     assert "| 1024 | 64 | 4.00 | 1 | 2.00 | 2 | 2.00x |" in host and "sdpa-flash" not in host
     assert "| 1024 | 64 | 1.00 | 4 | 0.800 | 5 | 0.80x |" in device and "naive" not in device
+    # a plot needs two lengths (a single N is left to the tables)
+    benches += [_attn("test_flash", "flash-triton", 2048, 64, "forward", 0.004, timing="host", tflops=4.0, **common),
+                _attn("test_flash", "flash-triton", 2048, 64, "forward", 0.002, timing="device", flush=True,
+                      tflops=8.0, **common)]
     figures = plots.flash_plots(tables.load_runs([_run(tmp_path, "one-session-2.json", benches)])[0])
     names = sorted(p.filename for p in figures)
     assert len(names) == 2 and len(set(names)) == 2 and any("device" in n for n in names), names
