@@ -7,8 +7,11 @@ imports it uses, and the report job's artifacts.  Read with PyYAML, each job exp
 from __future__ import annotations
 
 import ast
+import contextlib
 import fnmatch
 import functools
+import importlib
+import io
 import itertools
 import os
 import re
@@ -171,9 +174,36 @@ def test_every_gate_pair_is_measured_within_one_session(bench):
     assert sorted(everything - set().union(*map(measured, sessions))) == [], "gate pairs split over sessions"
 
 
+_SEPARATOR = "----- end of pytest's output -----"
+
+
 @functools.cache
-def output(*argv: str) -> str:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+def pytest_outputs(*flags: str) -> list[str]:
+    """What ``python -m pytest <flag> -p no:cacheprovider`` prints for each flag, from one process (one
+    torch import, not one per flag): the project's pytest, configured from its root, as CI starts it."""
+    script = ("import pytest\n"
+              f"for flag in {flags!r}:\n"
+              "    if pytest.main([flag, '-p', 'no:cacheprovider']) != 0:\n"
+              "        raise SystemExit(f'pytest {flag} failed')\n"
+              f"    print({_SEPARATOR!r}, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    *outputs, rest = out.split(_SEPARATOR + "\n")
+    assert len(outputs) == len(flags) and not rest, out[-2000:]
+    return outputs
+
+
+@functools.cache
+def cli_help(module: str) -> str:
+    """What ``python -m <module> --help`` prints, read in this process (no interpreter and torch import per
+    CLI): the project's CLI modules run their ``main(argv)``, and torchrun's ``main`` parses with
+    ``parse_args(argv)`` first (its ``main`` would also install torchelastic's error handler here)."""
+    loaded = importlib.import_module(module)
+    parse = loaded.parse_args if module == "torch.distributed.run" else loaded.main
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exited:
+        parse(["--help"])
+    assert exited.value.code == 0, f"python -m {module} --help exited with {exited.value.code}"
+    return printed.getvalue()
 
 
 def assert_documented(args: list[str], help_text: str, where: str) -> None:
@@ -187,15 +217,14 @@ def test_project_clis_and_torchrun_accept_their_options():
         for i, word in enumerate(argv[:-1]):
             if word == "-m" and argv[i + 1].startswith("cs336_systems"):
                 called.add(argv[i + 1])
-                assert_documented(argv[i + 2 :], output("-m", argv[i + 1], "--help"), f"python -m {argv[i + 1]}")
+                assert_documented(argv[i + 2 :], cli_help(argv[i + 1]), f"python -m {argv[i + 1]}")
         if os.path.basename(argv[0]) == "torchrun":
-            assert_documented(argv[1 : argv.index("-m")], output("-m", "torch.distributed.run", "--help"), "torchrun")
+            assert_documented(argv[1 : argv.index("-m")], cli_help("torch.distributed.run"), "torchrun")
     assert {"cs336_systems.gates", "cs336_systems.report"} <= called, called
 
 
 def test_pytest_options_and_markers_exist():
-    help_text = output("-m", "pytest", "--help", "-p", "no:cacheprovider")
-    markers = output("-m", "pytest", "--markers", "-p", "no:cacheprovider")
+    help_text, markers = pytest_outputs("--help", "--markers")
     for job in jobs():
         for step in job.steps:
             runs = [args for argv in commands(step["run"]) if (args := pytest_args(argv)) is not None]

@@ -5,9 +5,11 @@ Two entry points:
 * `init_from_env()` — for code launched by ``torchrun`` (one or many nodes): env:// rendezvous from
   MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE, the device from LOCAL_RANK, NCCL when CUDA is present and
   gloo otherwise.  Nothing node-specific is assumed, so ``--nnodes > 1`` works unchanged.
-* `spawn(fn, world_size, *args)` — runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes
+* `spawn(fn, world_size, *args)` — runs ``fn(rank, world_size, *args)`` in ``world_size`` new processes
   joined by a `torch.distributed.FileStore` in a private temporary directory (no ports, so parallel tests
-  cannot collide), with a timeout on rendezvous, on every collective and on the join.  Each worker pins
+  cannot collide), with a timeout on rendezvous, on every collective and on the join.  The processes are
+  forked from a forkserver that imported torch once (`_start_context`), and run with the caller's
+  environment of the moment of the call.  Each worker pins
   OMP_NUM_THREADS=1, always destroys its process group, and sends back its return value or its traceback;
   a worker that fails or a job that outlives ``timeout_s`` raises `SpawnError` in the parent after every
   worker has been killed.  Return values may hold tensors (they travel as `torch.save` bytes).  A hung test is a failed test, never a hung CI.
@@ -25,12 +27,14 @@ Helpers for collective code:
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import io
 import os
 import queue as queue_module
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -295,11 +299,26 @@ class GroupSpec:
 
     def reinit(self, tag: str) -> None:
         """Collective: tear down what is left of the default group and make a new one, as before, over a
-        fresh prefix ``tag`` of the same store (every rank passes the same, new ``tag``)."""
+        fresh prefix ``tag`` of the same store (every rank passes the same, new ``tag``); return once every
+        rank has it (`wait_until_every_rank_connected`)."""
         tear_down_default_group()
         kwargs = {"device_id": self.device_id} if self.device_id is not None else {}
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"cs336-reinit/{tag}/", self.store),
-                                rank=self.rank, world_size=self.world_size, timeout=self.timeout, **kwargs)
+        store = dist.PrefixStore(f"cs336-reinit/{tag}/", self.store)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=self.timeout, **kwargs)
+        wait_until_every_rank_connected(store, self.rank, self.world_size, self.timeout)
+
+
+def wait_until_every_rank_connected(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """Collective, over the store only: return once every rank has returned from making its process group.
+
+    gloo's full-mesh connect can return on one rank while a peer still completes its handshake on their
+    connection; if the first rank then closes its group (it had nothing more to do, or failed and tore it
+    down), the peer's connect fails with "Connection closed by peer".  ``store`` must be the one the group
+    was made over (a prefix of it is fine): the keys live under its "cs336-connected/" prefix.
+    """
+    store.set(f"cs336-connected/{rank}", "1")
+    store.wait([f"cs336-connected/{r}" for r in range(world_size)], timeout)
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -321,17 +340,23 @@ def _destroy_if_initialized() -> None:
 
 
 def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, results: Any) -> None:
+            fn: Callable[..., Any], args: tuple, results: Any, environ: dict[str, str]) -> None:
+    # The forkserver's environment is the one of the moment it started, not the caller's now (a test's
+    # monkeypatched variable, CUDA_VISIBLE_DEVICES set since): take the caller's, before anything reads it.
+    os.environ.clear()
+    os.environ.update(environ)
+    # What this process holds now is the forkserver's imports (and fn, args): keep it out of every garbage
+    # collection (which would otherwise walk all of torch's objects, and copy each page it touches).
+    gc.freeze()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, bound before NCCL creates its communicator
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        wait_until_every_rank_connected(store, rank, world_size, timeout)  # before any rank can leave
         try:
             value = fn(rank, world_size, *args)
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -346,13 +371,57 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, timeout_s
         results.put((rank, False, traceback.format_exc()))
 
 
+# Imported once by the forkserver, so that a rank starts with them loaded (torch._dynamo: every torch.optim
+# optimizer imports it when first made, 3-4 s).  Nothing here may initialize CUDA (a process forked after
+# that cannot use it): importing these does not, torch.cuda calls would.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _start_context():
+    """How `spawn` starts its ranks: forked from a forkserver that imported torch once, where the platform has
+    one (Linux, macOS), instead of a fresh interpreter importing it again (2-3 s of CPU per rank, per call).
+
+    The server is one per process, started by the first `spawn` from a clean interpreter (not a fork of the
+    caller: threads and CUDA state of the caller do not reach it), and ends with the caller.  Its environment
+    is the caller's at that first call, so `_worker` installs the caller's current one; only what torch reads
+    at import (e.g. TORCH_* logging switches) stays as it was when the server started.  Elsewhere (Windows)
+    each rank is a fresh interpreter (spawn)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the server runs (it keeps its modules)
+    return ctx
+
+
+def _start(procs: list[Any], within_s: float) -> None:
+    """Start ``procs``, or raise SpawnError after ``within_s``: a forkserver's start blocks until the server
+    has imported its preload and forked, which must not block the caller without end if it never does."""
+    errors: list[BaseException] = []
+
+    def start_all() -> None:
+        try:
+            for p in procs:
+                p.start()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(exc)
+
+    starter = threading.Thread(target=start_all, name="cs336-spawn-start", daemon=True)
+    starter.start()
+    starter.join(within_s)
+    if errors:
+        raise errors[0]  # e.g. fn or args that cannot be pickled
+    if starter.is_alive():
+        raise SpawnError(f"the ranks' processes did not start within {within_s:.0f} s (startup_s)")
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
           timeout_s: float = 120.0, startup_s: float = 60.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function).  Collectives inside time out after
     ``timeout_s`` as well, so a rank waiting on a peer that never arrives fails instead of hanging.
-    ``startup_s`` is added to the job's deadline for process start-up (importing torch takes seconds).
+    ``startup_s`` is added to the job's deadline for process start-up (the first call starts the forkserver,
+    which imports torch: seconds) and bounds the start of the processes itself.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -361,21 +430,22 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend='nccl' with world_size={world_size} needs that many GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     results = ctx.Queue()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="cs336-spawn-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, store_path, backend, timeout_s, fn, args, results),
+            ctx.Process(target=_worker,
+                        args=(r, world_size, store_path, backend, timeout_s, fn, args, results, environ),
                         daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
         deadline = time.monotonic() + timeout_s + startup_s
         collected: dict[int, tuple[bool, Any]] = {}
         failure: str | None = None
         try:
+            _start(procs, within_s=startup_s)
             while len(collected) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -411,8 +481,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                         if not ok2:
                             errors[r2] = v2
                     failure = "\n".join(f"rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))
+                    # a peer that died without a word (a crash) is often the root cause of the others' errors
+                    dead = {r: p.exitcode for r, p in enumerate(procs) if r not in collected and p.exitcode is not None}
+                    if dead:
+                        failure += (f"\nrank(s) {sorted(dead)} exited with codes {[dead[r] for r in sorted(dead)]} "
+                                    "without reporting a result")
                     break
         finally:
+            procs = [p for p in procs if p.pid is not None]  # started (all, unless `_start` raised)
             for p in procs:
                 p.join(timeout=5.0 if failure is None else 0.5)
             for p in procs:

@@ -170,22 +170,21 @@ def test_allreduce(case, dist_bench):
 '''
 
 
-def test_dist_bench_records_a_rank_oom_as_an_oom_cell_and_fails_on_a_rank_error(pytester, monkeypatch):
+@pytest.mark.timeout(120)  # a hang fails
+def test_dist_bench_records_a_rank_oom_as_an_oom_cell_and_fails_on_a_rank_error(pytester, perf_session):
     import json
     from pathlib import Path
 
     from cs336_systems.reporting import render
 
     root = Path(__file__).resolve().parents[2]
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)  # else pytest-benchmark disables itself in the child session
     pytester.makeconftest((root / "conftest.py").read_text())
     perf = pytester.mkdir("perf")
     (perf / "conftest.py").write_text((root / "perf" / "conftest.py").read_text())
     (perf / "test_dist.py").write_text(DIST_PERF_TESTS)
     (pytester.path / "benchmarks.json").write_text(json.dumps(DIST_MATRIX))
-    result = pytester.runpytest_subprocess("perf", "--perf-profile=cpu", "--benchmark-json=out.json",
-                                           "-p", "no:cacheprovider", "-rs", timeout=120)  # a hang fails
+    # in this process (tests/conftest.py's `perf_session`); the ranks are processes of their own, as always
+    result = perf_session("perf", "--perf-profile=cpu", "--benchmark-json=out.json", "-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(passed=1, failed=1, skipped=1)
     result.stdout.fnmatch_lines([
         "*distributed case failed: rank 1 raised in warm-up round 1: ValueError: rank one's step is broken*",

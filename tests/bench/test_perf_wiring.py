@@ -1,15 +1,19 @@
 """The perf/ wiring (bench fixture, matrix parametrization, OOM recording, machine_info, comparisons),
 exercised in isolated pytest sessions built from the project's real conftest files."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cs336_systems.bench import machine
+from cs336_systems.reporting import baseline, gates
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,21 +61,19 @@ def test_pytest_benchmark_reads_the_clock_only_after_a_sync(benchmark):
 
 
 @pytest.fixture
-def project(pytester, monkeypatch):
-    # Under `pytest -n`, xdist's worker variables would leak into the child session and make
-    # pytest-benchmark disable itself there.
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(name, raising=False)
+def project(pytester, perf_session):
+    """A project folder with the real conftest files; ``run(*args)`` runs pytest there, in this process
+    (tests/conftest.py's `perf_session`)."""
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     perf = pytester.mkdir("perf")
     (perf / "conftest.py").write_text((ROOT / "perf" / "conftest.py").read_text())
     (perf / "test_fake.py").write_text(PERF_TESTS)
     (pytester.path / "benchmarks.json").write_text(json.dumps(TINY_MATRIX))
-    return pytester
+    return SimpleNamespace(path=pytester.path, run=perf_session)
 
 
 def test_bench_fixture_records_cases_rates_and_ooms(project):
-    result = project.runpytest_subprocess(
+    result = project.run(
         "perf", "--perf-profile=cpu", "--benchmark-json=out.json", "-p", "no:cacheprovider", "-rs"
     )
     result.assert_outcomes(passed=3, skipped=1)
@@ -100,23 +102,23 @@ def test_bench_fixture_records_cases_rates_and_ooms(project):
 
 
 def test_perf_group_filters_cases(project):
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.run("perf", "--perf-profile=cpu", "--perf-group=g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     # several groups, comma-separated, run in one session
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1, g1", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.run("perf", "--perf-profile=cpu", "--perf-group=g1, g1", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     # a group the profile does not have is a usage error, not an empty run that passes
     for groups in ("nope", "nope, g1", ","):
-        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", f"--perf-group={groups}", "-p", "no:cacheprovider")
+        result = project.run("perf", "--perf-profile=cpu", f"--perf-group={groups}", "-p", "no:cacheprovider")
         assert result.ret == pytest.ExitCode.USAGE_ERROR, groups
         assert "its groups: g1" in result.stderr.str(), groups
     for peak in ("0", "-1", "nan", "x"):
-        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", f"--peak-tflops={peak}", "-p", "no:cacheprovider")
+        result = project.run("perf", "--perf-profile=cpu", f"--peak-tflops={peak}", "-p", "no:cacheprovider")
         assert result.ret == pytest.ExitCode.USAGE_ERROR, peak
 
 
 def test_peak_override_gives_mfu(project):
-    project.runpytest_subprocess(
+    project.run(
         "perf", "--perf-profile=cpu", "-k", "test_case", "--peak-tflops=1.0", "--benchmark-json=out.json", "-p", "no:cacheprovider"
     ).assert_outcomes(passed=2)
     data = json.loads((project.path / "out.json").read_text())
@@ -128,17 +130,17 @@ def test_peak_override_gives_mfu(project):
 def test_comparing_runs_from_another_gpu_is_refused_unless_forced(project):
     storage = project.path / "store"
     args = ("perf", "--perf-profile=cpu", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
-    project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
+    project.run(*args, "--benchmark-save=base").assert_outcomes(passed=2)
     saved = next(storage.rglob("0001_base.json"))
     data = json.loads(saved.read_text())
     data["machine_info"]["cs336_systems"]["gpu_name"] = "Imaginary GPU 9000"
     saved.write_text(json.dumps(data))
-    result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
+    result = project.run(*args, "--benchmark-compare=0001")
     output = result.stdout.str() + result.stderr.str()
     assert result.ret == pytest.ExitCode.USAGE_ERROR  # refused by default
     assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in output
     assert "saved 'Imaginary GPU 9000'" in output and "--compare-any-machine" in output
-    forced = project.runpytest_subprocess(*args, "--benchmark-compare=0001", "--compare-any-machine")
+    forced = project.run(*args, "--benchmark-compare=0001", "--compare-any-machine")
     forced.assert_outcomes(passed=2)
     assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in forced.stdout.str() + forced.stderr.str()
 
@@ -146,8 +148,9 @@ def test_comparing_runs_from_another_gpu_is_refused_unless_forced(project):
 def test_same_machine_comparison_is_quiet(project):
     storage = project.path / "store"
     args = ("perf", "--perf-profile=cpu", "-k", "test_case", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider")
-    project.runpytest_subprocess(*args, "--benchmark-save=base").assert_outcomes(passed=2)
-    result = project.runpytest_subprocess(*args, "--benchmark-compare=0001")
+    project.run(*args, "--benchmark-save=base").assert_outcomes(passed=2)
+    result = project.run(*args, "--benchmark-compare=0001")
+    result.assert_outcomes(passed=2)
     assert "COMPARING RUNS FROM DIFFERENT GPUS" not in result.stdout.str() + result.stderr.str()
 
 
@@ -240,7 +243,7 @@ ATTENTION_MATRIX = {
 
 def test_hooks_are_never_timed_through_pytest_benchmark_and_bench(project):
     (project.path / "perf" / "test_hooks.py").write_text(HOOK_TESTS)
-    result = project.runpytest_subprocess("perf/test_hooks.py", "--perf-profile=cpu", "-p", "no:cacheprovider")
+    result = project.run("perf/test_hooks.py", "--perf-profile=cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
 
 
@@ -248,7 +251,7 @@ def test_attention_suites_record_accuracy_rates_and_skips(project):
     (project.path / "benchmarks.json").write_text(json.dumps(ATTENTION_MATRIX))
     (project.path / "perf" / "test_fake.py").unlink()
     (project.path / "perf" / "test_attention.py").write_text((ROOT / "perf" / "test_attention.py").read_text())
-    result = project.runpytest_subprocess(
+    result = project.run(
         "perf", "--perf-profile=cpu", "--benchmark-json=out.json", "-p", "no:cacheprovider", "-rs"
     )
     result.assert_outcomes(passed=5, skipped=2)
@@ -280,7 +283,7 @@ def test_ratio_gates_are_evaluated_at_the_end_of_the_session(project, max_ratio,
                                      "numerator": {"context": 16}, "denominator": {"context": 8},
                                      "max_ratio": max_ratio}])
     (project.path / "benchmarks.json").write_text(json.dumps(data))
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider")
+    result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)  # every case passed; the gate alone decides the exit code
     output = result.stdout.str()
     if fails:
@@ -295,8 +298,8 @@ def test_an_ambiguous_gate_fails_the_session_but_the_json_is_saved(project):
     data = dict(TINY_MATRIX, gates=[{"name": "ambiguous", "suite": "end_to_end", "numerator": {"context": 16},
                                      "denominator": {"mode": "forward"}, "max_ratio": 1e6}])
     (project.path / "benchmarks.json").write_text(json.dumps(data))
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider",
-                                          "--benchmark-json=out.json")
+    result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider",
+                         "--benchmark-json=out.json")
     result.assert_outcomes(passed=2)
     output = result.stdout.str()
     assert result.ret == 1 and "ratio gates: error" in output and "differ only in ['context'" in output
@@ -334,8 +337,8 @@ TWO_GROUPS = dict(TINY_MATRIX, suites={"end_to_end": {"profiles": {"cpu": [
 def test_a_gate_whose_case_did_not_run_fails_the_session_and_the_saved_run(project, failure, outcome, reason):
     (project.path / "benchmarks.json").write_text(json.dumps(TWO_GROUPS))
     (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", failure))
-    result = project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
-                                          "--benchmark-json=out.json")
+    result = project.run("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
+                         "--benchmark-json=out.json")
     result.assert_outcomes(passed=1, **{outcome: 1})
     output = result.stdout.str()
     assert result.ret == 1 and "ratio gates: 1 not measured" in output
@@ -347,9 +350,11 @@ def test_a_gate_whose_case_did_not_run_fails_the_session_and_the_saved_run(proje
     else:
         (record,) = data["perf_not_timed"]
         assert record["extra_info"]["context"] == 16 and record["reason"] == reason
-    cli = subprocess.run([sys.executable, "-m", "cs336_systems.gates", "out.json", "--matrix", "benchmarks.json"],
-                         cwd=project.path, capture_output=True, text=True)
-    assert cli.returncode == 1 and reason in cli.stdout, cli.stdout + cli.stderr
+    # the saved run judged alone (`python -m cs336_systems.gates`, which exits with main's status)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = gates.main([str(project.path / "out.json"), "--matrix", str(project.path / "benchmarks.json")])
+    assert code == 1 and reason in out.getvalue(), out.getvalue() + err.getvalue()
 
 
 def test_gates_of_groups_or_cases_not_selected_are_not_applicable_not_passed(project):
@@ -357,7 +362,7 @@ def test_gates_of_groups_or_cases_not_selected_are_not_applicable_not_passed(pro
     (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
     for selection, why in ((["--perf-group=g2"], "needs group g1, not selected"),
                            (["-k", "ctx16"], "group g1 selected, but the gate's cases deselected")):
-        result = project.runpytest_subprocess("perf", "--perf-profile=cpu", *selection, "-p", "no:cacheprovider")
+        result = project.run("perf", "--perf-profile=cpu", *selection, "-p", "no:cacheprovider")
         assert result.ret == 0, selection
         output = result.stdout.str()
         assert "ratio gates: none applies to this run" in output and "| not applicable |" in output
@@ -365,33 +370,36 @@ def test_gates_of_groups_or_cases_not_selected_are_not_applicable_not_passed(pro
 
 
 def test_comparing_a_group_the_baseline_does_not_cover_fails(project):
-    from cs336_systems.reporting import baseline
-
     (project.path / "benchmarks.json").write_text(json.dumps(dict(TWO_GROUPS, gates=[])))
     (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
-    project.runpytest_subprocess("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
-                                 "--benchmark-json=g1.json").assert_outcomes(passed=2)
+    project.run("perf", "--perf-profile=cpu", "--perf-group=g1", "-p", "no:cacheprovider",
+                "--benchmark-json=g1.json").assert_outcomes(passed=2)
     store = project.path / "store"
     baseline.write_baseline([project.path / "g1.json"], store)
     compare = ("--perf-profile=cpu", "-p", "no:cacheprovider", f"--benchmark-storage=file://{store}",
                "--benchmark-compare=0001", "--benchmark-compare-fail=median:1000%")
-    same = project.runpytest_subprocess("perf", "--perf-group=g1", *compare)
+    same = project.run("perf", "--perf-group=g1", *compare)
     assert same.ret == 0, same.stdout.str()[-2000:]
-    other = project.runpytest_subprocess("perf", "--perf-group=g2", *compare)
+    other = project.run("perf", "--perf-group=g2", *compare)
     other.assert_outcomes(passed=1)
     assert other.ret == 1
     assert "the baseline does not cover group(s) g2 (1 case(s)); it covers g1" in other.stdout.str()
 
 
 def test_baseline_refresh_runs_each_group_spec_then_merges_or_stops_at_a_failing_one(project):
+    assert Path.cwd() == project.path  # pytester runs each test from its folder: the CLI's relative paths
     (project.path / "benchmarks.json").write_text(json.dumps(dict(TWO_GROUPS, gates=[])))
     (project.path / "perf" / "test_fake.py").write_text(GATED_TESTS.replace("{failure}", "pass"))
 
     def refresh(specs):
-        return subprocess.run([sys.executable, "-m", "cs336_systems.baseline", "--refresh", specs, "--profile", "cpu",
-                               "--runs", "runs", "--storage", "store", "--pytest-command",
-                               f"{sys.executable} -m pytest -p no:cacheprovider"],
-                              cwd=project.path, capture_output=True, text=True)
+        """``python -m cs336_systems.baseline --refresh specs ...`` from the project folder (the current
+        directory), the CLI in this process: it exits with `baseline.main`'s status; its pytest runs are
+        processes of their own."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = baseline.main(["--refresh", specs, "--profile", "cpu", "--runs", "runs", "--storage", "store",
+                                  "--pytest-command", f"{sys.executable} -m pytest -p no:cacheprovider"])
+        return subprocess.CompletedProcess(["cs336_systems.baseline"], code, out.getvalue(), err.getvalue())
 
     done = refresh("g1+g2")  # one session for both groups
     assert done.returncode == 0, done.stdout + done.stderr
