@@ -27,14 +27,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+import pytest
+
+try:
+    import torch
+except ModuleNotFoundError:  # pytest from an environment without the project's install
+    pytest.exit("torch is not installed in this Python environment: follow the README's Setup (a venv, then "
+                "`pip install torch==2.13.0` on a CPU machine and `pip install -e \".[dev,plot,baselines]\"`), "
+                "and run `python -m pytest tests/` from that venv", returncode=pytest.ExitCode.USAGE_ERROR)
 
 # Without a GPU, Triton kernels can only run in Triton's interpreter, which must be switched on before
 # any @triton.jit decorator runs (the kernels are imported lazily, after this).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 from cs336_systems.bench import machine
 from cs336_systems.cli_args import positive_float

@@ -63,8 +63,9 @@ RULES = (
          ("on a lent H100", "the lease ran out", "a leased machine", "the loan ended")),
     Rule("device-time budget", re.compile(r"\btime budget\b|\bbudget_left", I),
          ("within the device time budget", "budget_left_s was 300")),
-    Rule("device tool output", re.compile(r"\$OUT\b|\boutput_tail\b|\bfiles_at\b|\bdevice (?:tool|machine)\b|"
-                                          r"\bprobe scripts?\b", CASE),
+    # the words are split in the source so that this file does not spell what it forbids
+    Rule("device tool output", re.compile(r"\$" r"OUT\b|\boutput" r"_tail\b|\bfiles" r"_at\b|\bdevice"
+                                          r" (?:tool|machine)\b|\bprobe scripts?\b", CASE),
          ("copied to $" "OUT/trace.json", "see output" "_tail", "on the device" " machine", "ran the probe" " script")),
     Rule("numbered issue",  # not the verb: "ranks issue 2 all-reduces"
          re.compile(rf"(?<![A-Za-z])issues?[\s_]+#?\d+(?!\d)(?!\s*(?:x\s*)?(?:{COLLECTIVE_WORDS}))", I),
@@ -94,7 +95,7 @@ ALLOWED = (
     "the memory is released", "released once packed",
     "please", "excellent", "silently", "a run on a quiet host", "run a ddp group", "run e2e cases", "run-time",
     "Run 2 ranks", "the 95 GB budget", "a recompile budget", "mixed-precision probes", "amp_probe.probe_dtypes",
-    "the second round of warm-up", "must be one of", "the first session-scoped fixture", "$OUTPUT_DIR",
+    "the second round of warm-up", "must be one of", "the first session-scoped fixture", "$" "OUTPUT_DIR",
     "docs/flash-attention.md", "results/h100/leaderboard.json", "random seeds", "the assignment's leaderboard",
 )
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cs336_systems.attention.checks import check_is_causal, check_qkv, is_gqa
+from cs336_systems.attention.checks import check_is_causal, check_qkv, dims_text, is_gqa
 
 AttentionFn = Callable[..., torch.Tensor]
 # unsupported(q, k, v, is_causal) -> None if the implementation computes these inputs, else the reason
@@ -121,18 +121,10 @@ def check_available(name: str, device: torch.device | str, *, head_dim: int | No
     if head_dim is not None and impl.head_dims is not None and head_dim not in impl.head_dims:
         takes = [n for n in available(device) if _REGISTRY[n].head_dims is None or head_dim in _REGISTRY[n].head_dims]
         raise ValueError(
-            f"attention implementation {name!r} supports head dims {_dims_text(impl.head_dims)}, got "
+            f"attention implementation {name!r} supports head dims {dims_text(impl.head_dims)}, got "
             f"head_dim={head_dim}; "
             f"available on device {device} for head_dim={head_dim}: {', '.join(takes) or 'none'}")
     return impl
-
-
-def _dims_text(dims: tuple[int, ...]) -> str:
-    """(8, 16, ..., 256) -> "multiples of 8 from 8 to 256"; other sets as the tuple."""
-    step = dims[1] - dims[0] if len(dims) > 2 else 0
-    if step > 0 and dims == tuple(range(dims[0], dims[-1] + 1, step)) and dims[0] == step:
-        return f"multiples of {step} from {dims[0]} to {dims[-1]}"
-    return str(dims)
 
 
 def check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> AttentionImpl:
@@ -179,12 +171,12 @@ def _flash_triton_available(device: torch.device) -> bool:
 
 def _flash_triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
     # Mirrors flash_triton's own checks without importing Triton (the Function raises the same errors).
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, head_dims_text
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
 
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"flash-triton supports float32, bfloat16, float16; got dtype {q.dtype}"
     if q.shape[-1] not in HEAD_DIMS:
-        return f"flash-triton supports head dims that are {head_dims_text()}; got d={q.shape[-1]}"
+        return f"flash-triton supports head dims that are {dims_text(HEAD_DIMS)}; got d={q.shape[-1]}"
     if q.dtype == torch.bfloat16 and (q.device.type != "cuda" or _triton_interpreted()):
         return ("flash-triton cannot compute bfloat16 under Triton's interpreter (TRITON_INTERPRET=1: the "
                 "interpreter's bf16 tl.dot is wrong); use float32 or float16 there, or a CUDA device")

@@ -50,6 +50,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allow_gqa: b
     raise ValueError(f"leading (batch/head) dims must match across q, k, v{' (or differ only in the head dim -3, for grouped-query attention)' if allow_gqa else ''}; got {shapes}")
 
 
+def dims_text(dims: tuple[int, ...]) -> str:
+    """A set of head dims for an error message: (8, 16, ..., 256) -> "multiples of 8 from 8 to 256"; any other
+    set as the tuple."""
+    step = dims[1] - dims[0] if len(dims) > 2 else 0
+    if step > 0 and dims[0] == step and dims == tuple(range(dims[0], dims[-1] + 1, step)):
+        return f"multiples of {step} from {dims[0]} to {dims[-1]}"
+    return str(dims)
+
+
 def is_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether k has fewer heads than q (inputs already passed `check_qkv(..., allow_gqa=True)`)."""
     return q.shape[:-2] != k.shape[:-2]

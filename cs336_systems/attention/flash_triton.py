@@ -43,9 +43,9 @@ import torch
 
 from cs336_systems.attention.kernels import flash_kernels
 from cs336_systems.attention.kernels import flash_launch as launch
-from cs336_systems.attention.checks import check_qkv
+from cs336_systems.attention.checks import check_qkv, dims_text
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
-from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, head_dims_text
+from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
 from cs336_systems.attention.kernels.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
@@ -127,7 +127,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: obje
         raise ValueError(f"is_causal must be a bool (True or False), got {is_causal!r} ({type(is_causal).__name__})")
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash-triton supports head dims that are {head_dims_text()}; got d={d} "
+        raise ValueError(f"flash-triton supports head dims that are {dims_text(SUPPORTED_HEAD_DIMS)}; got d={d} "
                          f"(q shape {tuple(q.shape)})")
     dtype = q.dtype
     if dtype not in _DTYPES:

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import triton
 
+from cs336_systems.attention.checks import dims_text
 from cs336_systems.attention.kernels import flash_configs as configs
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, TileConfig
@@ -359,7 +360,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(f"--shape wants BH,N,D (e.g. 16,16384,64); got {text!r}") from None
     if bh < 1 or n < 1 or d not in configs.HEAD_DIMS:
         raise argparse.ArgumentTypeError(
-            f"--shape {text!r}: BH and N must be >= 1 and D one of the {configs.head_dims_text()}")
+            f"--shape {text!r}: BH and N must be >= 1 and D one of the {dims_text(configs.HEAD_DIMS)}")
     return bh, n, d
 
 

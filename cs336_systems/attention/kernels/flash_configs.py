@@ -37,17 +37,12 @@ TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 # What the kernels support: every multiple of 8 up to 256 (rows of 16 bytes or more in 16-bit dtypes, as TMA
 # and vectorized loads want).  The register tile is `block_d(d)` wide; its padding columns are masked.
 HEAD_DIMS = tuple(range(8, 257, 8))
-MAX_HEAD_DIM = 256
 
 
 def block_d(head_dim: int) -> int:
     """The kernels' head-dim tile: the next power of two >= max(head_dim, 16) (tl.arange needs a power of
     two, tl.dot a K of at least 16).  d = 80 and 96 run 128-wide tiles, 160 and 192 run 256-wide ones."""
     return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def head_dims_text() -> str:
-    return f"multiples of 8 from 8 to {MAX_HEAD_DIM}"
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
 
