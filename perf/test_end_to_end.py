@@ -1,7 +1,9 @@
 """End-to-end LM benchmarks (cases from benchmarks.json).
 
 end_to_end    size x context x batch x mode x precision x eager/compiled x implementation: our model ("own") or a
-              baseline of the same size ("hf-llama": transformers' LlamaForCausalLM), timed in the same run.
+              baseline of the same size ("hf-llama": transformers' LlamaForCausalLM), timed in the same run
+              x optimizer ("adamw": torch's fused AdamW, float32 weights; "adamw-master": bf16 compute weights,
+              float32 masters in cs336_systems.optim.AdamWMaster).
               A baseline whose package is missing is skipped with the install command as the reason.
 checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt, nested): time and peak memory
 warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
@@ -30,6 +32,7 @@ def _run_lm_case(case, bench, device):
             size=case["size"], context=case["context"], batch_size=case["batch_size"],
             mode=case["mode"], precision=case["precision"], compile=case["compile"],
             attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device, impl=impl,
+            optimizer=case.get("optimizer", workloads.DEFAULT_OPTIMIZER),
         ),
         case=case,
         flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),

@@ -27,7 +27,7 @@ Rules checked at load time, so that nothing that loads can fail later inside a c
 * values have the type and range their workload needs (``sizes_mb``: finite, a whole number of float32
   elements, at least one; bucket sizes finite and positive; no bucket size on a variant without buckets;
   no fp16 on a sharded data-parallel variant; no graph timing of mode backward; an end-to-end baseline
-  implementation such as hf-llama only with attention sdpa);
+  implementation such as hf-llama only with attention sdpa; the adamw-master optimizer only with bf16);
 * a case's identity is its test id (`case_id`): two grids of one profile whose cases share an id but
   differ in a field the id leaves out (``rounds``, ``inner_iters``) are an error naming both grids, since
   pytest would rename them ``..._0`` / ``..._1`` and saved runs would no longer pair up.  Cases equal in
@@ -52,6 +52,8 @@ from cs336_systems.bench.workloads.attention import DTYPES as ATTENTION_DTYPES
 from cs336_systems.bench.workloads.attention import MODES as ATTENTION_MODES
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
 from cs336_systems.bench.workloads.lm import IMPLS as LM_IMPLS
+from cs336_systems.bench.workloads.lm import OPTIMIZERS as LM_OPTIMIZERS
+from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPTIMIZER
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
 from cs336_systems.model import SIZES
 
@@ -151,8 +153,11 @@ def _checkpoint_policy(value: object, where: str) -> str:
 
 # The end-to-end suite also sweeps the implementation of the model (cs336_systems.bench.workloads.lm.IMPLS):
 # "own" (cs336_systems.model, the default) or a baseline of the same size ("hf-llama": transformers'
-# LlamaForCausalLM), so that both are timed in one run.
-_E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL])}
+# LlamaForCausalLM), so that both are timed in one run; and the optimizer of the train step ("adamw": torch's
+# fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
+# cs336_systems.optim.AdamWMaster, bf16 precision only).
+_E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
+             "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER])}
 
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
 _CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
@@ -262,6 +267,7 @@ _SINGULAR = {
     "attention": "attention",
     "warmup": "warmup",
     "impls": "impl",
+    "optimizers": "optimizer",
     "heads": "heads",
     "kv_heads": "kv_heads",
     "seq_lens": "seq_len",
@@ -286,7 +292,8 @@ _SINGULAR = {
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("backend", "{}"),
+    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
+    ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
 )
@@ -308,6 +315,8 @@ def case_id(case: dict) -> str:
                 parts.append("l2flush")
         elif key == "impl" and "size" in case and case[key] == LM_DEFAULT_IMPL:
             continue  # our own LM (an LM case has a size; an attention case's impl is always shown)
+        elif key == "optimizer" and case[key] == LM_DEFAULT_OPTIMIZER:
+            continue  # the ids saved before the optimizer axis
         elif key == "timing":
             if case[key] != "host":  # the default keeps the ids saved before timings existed
                 parts.append(f"{case[key]}time")
@@ -387,6 +396,13 @@ def _baselines_run_sdpa_only(grid: dict, where: str) -> None:
                           f"with attention {other}; put those in a grid of their own")
 
 
+def _master_weights_need_bf16(grid: dict, where: str) -> None:
+    if "adamw-master" in grid.get("optimizers", ()) and any(p != "bf16" for p in grid.get("precisions", ())):
+        # AdamWMaster's compute weights are bf16 (cs336_systems.bench.workloads.lm.check_optimizer)
+        raise MatrixError(f"{where}: optimizer 'adamw-master' needs precision 'bf16' only, but the grid also "
+                          f"crosses it with precisions {[p for p in grid['precisions'] if p != 'bf16']}")
+
+
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -399,7 +415,7 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
-               _baselines_run_sdpa_only, _kv_heads_divide_heads)
+               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16)
 
 
 def case_fields(suite: str) -> set[str]:

@@ -51,7 +51,7 @@ def test_cases_are_the_product_without_duplicates():
     cases = matrix.parse(data).cases("end_to_end", "cpu")
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
-                        "compile": False, "attention": "sdpa", "impl": "own", "warmup": 1, "rounds": 2,
+                        "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "warmup": 1, "rounds": 2,
                         "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
@@ -83,6 +83,10 @@ def _grid(data):
         (lambda d: _grid(d).update(precisions=["fp8"]), r"precisions\[0\]: unknown value 'fp8'"),
         (lambda d: _grid(d).update(compile=["yes"]), r"compile\[0\]: expected true or false"),
         (lambda d: _grid(d).update(attention=["flashy"]), r"attention\[0\]: unknown value 'flashy'"),
+        (lambda d: _grid(d).update(optimizers=["adamw-master"], precisions=["bf16", "fp32"]),
+         r"gpu\[1\]: optimizer 'adamw-master' needs precision 'bf16' only, but the grid also crosses it with "
+         r"precisions \['fp32'\]"),
+        (lambda d: _grid(d).update(optimizers=["lion"]), r"optimizers\[0\]: unknown value 'lion'"),
         (lambda d: _grid(d).update(warmup=-1), r"gpu\[1\]\.warmup: expected an integer >= 0"),
         (lambda d: _grid(d).update(rounds=True), r"gpu\[1\]\.rounds: expected a positive integer, got True"),
         (lambda d: _grid(d).pop("rounds"), r"gpu\[1\]: missing required key 'rounds'"),
@@ -431,8 +435,9 @@ def test_case_ids_are_unique_in_every_profile_of_the_repository_matrix(data):
 def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_run(data):
     cases = matrix.parse(data).cases("end_to_end", "gpu", {"e2e-hf"})
     ids = {matrix.case_id(c) for c in cases}
-    expected = {f"{prefix}{size}-ctx512-b4-{mode}-bf16-{compiled}-sdpa-w5"
-                for prefix in ("", "hf-llama-") for size in ("xl", "2.7B") for mode in ("forward", "train-step")
+    expected = {f"{prefix}{size}-ctx512-b4-{mode}-bf16-{compiled}-sdpa{suffix}-w5"
+                for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
+                for size in ("xl", "2.7B") for mode in ("forward", "train-step")
                 for compiled in ("eager", "compiled")}
     assert ids == expected
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}

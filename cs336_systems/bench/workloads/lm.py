@@ -17,6 +17,14 @@ Implementations (``impl``, `IMPLS`):
 Both run the same step: the same batch (one generator, one seed), autocast, logits -> the same
 `F.cross_entropy` -> backward, the same AdamW; only the model that turns tokens into logits differs.
 
+Optimizers (``optimizer``, `OPTIMIZERS`), both fused (one pass over each tensor's bytes):
+  "adamw"         torch.optim.AdamW(fused=True on CUDA) over float32 parameters: autocast casts every GEMM
+                  weight to bf16 in the forward and its gradient back to float32 in the backward
+  "adamw-master"  `cs336_systems.optim.AdamWMaster`: the Linear weights are held in bf16 and their float32
+                  masters in the optimizer, so autocast casts nothing (bf16 precision only).  In the forward
+                  and forward-backward modes, which build no optimizer, the Linear weights are held in bf16
+                  the same way, so each mode times the same model.
+
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
 and static shapes give the best kernels.  The baseline's decoder layers and final norm are compiled the
@@ -35,16 +43,29 @@ from torch import nn
 from cs336_systems import amp
 from cs336_systems.bench.workloads import hf_llama
 from cs336_systems.model import TransformerBlock, TransformerLM, build
+from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weights
 
 MODES = ("forward", "forward-backward", "train-step")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
+OPTIMIZERS = ("adamw", "adamw-master")
+DEFAULT_OPTIMIZER = "adamw"
 
 
 def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
     return impl
+
+
+def check_optimizer(optimizer: str, precision: str) -> str:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw-master" and precision != "bf16":
+        # fp16 compute weights would need a GradScaler that unscales fp16 gradients, which torch's refuses
+        raise ValueError(f"optimizer 'adamw-master' holds bf16 compute weights: it needs precision 'bf16', "
+                         f"got precision {precision!r}")
+    return optimizer
 
 
 def unavailable_reason(impl: str) -> str | None:
@@ -61,9 +82,14 @@ def compile_each(modules: Iterable[nn.Module]) -> None:
         module.compile(dynamic=False)
 
 
+def compile_units(model: TransformerLM) -> list[nn.Module]:
+    """What `compile_blocks` compiles: every TransformerBlock and the final norm."""
+    return [*(m for m in model.modules() if isinstance(m, TransformerBlock)), model.final_norm]
+
+
 def compile_blocks(model: TransformerLM) -> TransformerLM:
     """Compile every TransformerBlock and the final norm in place; returns the model."""
-    compile_each([*(m for m in model.modules() if isinstance(m, TransformerBlock)), model.final_norm])
+    compile_each(compile_units(model))
     return model
 
 
@@ -94,6 +120,7 @@ def lm_step(
     lr: float = 1e-4,
     seed: int = 0,
     impl: str = DEFAULT_IMPL,
+    optimizer: str = DEFAULT_OPTIMIZER,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -101,18 +128,19 @@ def lm_step(
     "every-k", "sqrt"): blocks recompute their activations in backward instead of keeping them.
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
+    ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     amp.check_precision(precision)
     check_impl(impl)
+    check_optimizer(optimizer, precision)
     device = torch.device(device)
     torch.manual_seed(seed)
     if impl == "hf-llama":
         model = hf_llama.build(size, device=device, context_length=context, attention=attention,
                                vocab_size=vocab_size, checkpoint=checkpoint)
-        if compile:
-            compile_each(hf_llama.compile_units(model))
+        units = hf_llama.compile_units(model)
 
         def logits_of(tokens: torch.Tensor) -> torch.Tensor:
             return hf_llama.logits(model, tokens)
@@ -120,9 +148,19 @@ def lm_step(
         with torch.device(device):
             model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
                           checkpoint=checkpoint)
-        if compile:
-            compile_blocks(model)
+        units = compile_units(model)
         logits_of = model
+    opt = None
+    if mode == "train-step":
+        if optimizer == "adamw-master":
+            opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model))
+        else:
+            # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+    elif optimizer == "adamw-master":
+        hold_in(linear_weights(model), torch.bfloat16)
+    if compile:  # after the weights took their dtype, so the compiled code is specialised to it
+        compile_each(units)
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
     targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
@@ -136,10 +174,6 @@ def lm_step(
 
         return LMStep(forward, model, None)
 
-    optimizer = None
-    if mode == "train-step":
-        # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
     scaler = amp.grad_scaler(precision, device)
 
     def train() -> None:
@@ -149,12 +183,12 @@ def lm_step(
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         if scaler is not None:
             scaler.scale(loss).backward()
-            if optimizer is not None:
-                scaler.step(optimizer)
+            if opt is not None:
+                scaler.step(opt)
                 scaler.update()
         else:
             loss.backward()
-            if optimizer is not None:
-                optimizer.step()
+            if opt is not None:
+                opt.step()
 
-    return LMStep(train, model, optimizer)
+    return LMStep(train, model, opt)

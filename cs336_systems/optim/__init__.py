@@ -1,0 +1,5 @@
+"""Optimizers.
+
+  adamw_master   `AdamWMaster`: AdamW over float32 master weights for a model computing with bf16 weights,
+                 one fused update kernel a tensor (`adamw_kernel`, Triton), and its PyTorch-ops reference
+"""
