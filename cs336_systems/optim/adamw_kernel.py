@@ -30,7 +30,7 @@ NUM_WARPS = 4
 @triton.jit
 def _adamw_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, n,
-    decay, beta1, beta2, step_size, sqrt_bias2, eps,
+    decay, beta2, one_minus_beta1, one_minus_beta2, step_size, sqrt_bias2, eps,
     HAS_COMPUTE_COPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -40,8 +40,8 @@ def _adamw_kernel(
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     p = p * decay
-    m = m + (1.0 - beta1) * (g - m)
-    v = beta2 * v + (1.0 - beta2) * g * g
+    m = m + one_minus_beta1 * (g - m)
+    v = beta2 * v + one_minus_beta2 * g * g
     # IEEE-rounded sqrt and divisions (not the approximate ones): the update matches torch's to fp32 rounding
     p = p - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps)
     tl.store(p_ptr + offs, p, mask=mask)
@@ -66,9 +66,10 @@ def adamw_update(
     if n == 0:
         return
     grid = (triton.cdiv(n, BLOCK),)
+    # 1 - beta in double on the host, as torch does: in float32 on the device, 1 - fp32(0.999) is off by 1e-5
     # compute=None: pass master as the (unused) pointer, the constexpr removes the store
     _adamw_kernel[grid](
         master, grad, exp_avg, exp_avg_sq, master if compute is None else compute, n,
-        decay, beta1, beta2, step_size, sqrt_bias2, eps,
+        decay, beta2, 1.0 - beta1, 1.0 - beta2, step_size, sqrt_bias2, eps,
         HAS_COMPUTE_COPY=compute is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
