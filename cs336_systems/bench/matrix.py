@@ -27,7 +27,7 @@ Rules checked at load time, so that nothing that loads can fail later inside a c
 * values have the type and range their workload needs (``sizes_mb``: finite, a whole number of float32
   elements, at least one; bucket sizes finite and positive; no bucket size on a variant without buckets;
   no fp16 on a sharded data-parallel variant; no graph timing of mode backward; an end-to-end baseline
-  implementation such as hf-llama only with attention sdpa; the adamw-master optimizer only with bf16);
+  implementation such as hf-llama only with attention sdpa; the adamw-master optimizers only with bf16);
 * a case's identity is its test id (`case_id`): two grids of one profile whose cases share an id but
   differ in a field the id leaves out (``rounds``, ``inner_iters``) are an error naming both grids, since
   pytest would rename them ``..._0`` / ``..._1`` and saved runs would no longer pair up.  Cases equal in
@@ -54,6 +54,7 @@ from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
 from cs336_systems.bench.workloads.lm import IMPLS as LM_IMPLS
 from cs336_systems.bench.workloads.lm import OPTIMIZERS as LM_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPTIMIZER
+from cs336_systems.bench.workloads.lm import MASTER_WEIGHT_OPTIMIZERS as LM_MASTER_WEIGHT_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
 from cs336_systems.model import SIZES
 
@@ -155,7 +156,8 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # "own" (cs336_systems.model, the default) or a baseline of the same size ("hf-llama": transformers'
 # LlamaForCausalLM), so that both are timed in one run; and the optimizer of the train step ("adamw": torch's
 # fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
-# cs336_systems.optim.AdamWMaster, bf16 precision only).
+# cs336_systems.optim.AdamWMaster, bf16 precision only; "adamw-master-overlap": the same, stepping inside the
+# backward on a side stream).
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
              "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER])}
 
@@ -397,10 +399,11 @@ def _baselines_run_sdpa_only(grid: dict, where: str) -> None:
 
 
 def _master_weights_need_bf16(grid: dict, where: str) -> None:
-    if "adamw-master" in grid.get("optimizers", ()) and any(p != "bf16" for p in grid.get("precisions", ())):
+    master = [o for o in grid.get("optimizers", ()) if o in LM_MASTER_WEIGHT_OPTIMIZERS]
+    if master and any(p != "bf16" for p in grid.get("precisions", ())):
         # AdamWMaster's compute weights are bf16 (cs336_systems.bench.workloads.lm.check_optimizer)
-        raise MatrixError(f"{where}: optimizer 'adamw-master' needs precision 'bf16' only, but the grid also "
-                          f"crosses it with precisions {[p for p in grid['precisions'] if p != 'bf16']}")
+        raise MatrixError(f"{where}: optimizers {master} need precision 'bf16' only, but the grid also "
+                          f"crosses them with precisions {[p for p in grid['precisions'] if p != 'bf16']}")
 
 
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:

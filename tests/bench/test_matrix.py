@@ -84,8 +84,8 @@ def _grid(data):
         (lambda d: _grid(d).update(compile=["yes"]), r"compile\[0\]: expected true or false"),
         (lambda d: _grid(d).update(attention=["flashy"]), r"attention\[0\]: unknown value 'flashy'"),
         (lambda d: _grid(d).update(optimizers=["adamw-master"], precisions=["bf16", "fp32"]),
-         r"gpu\[1\]: optimizer 'adamw-master' needs precision 'bf16' only, but the grid also crosses it with "
-         r"precisions \['fp32'\]"),
+         r"gpu\[1\]: optimizers \['adamw-master'\] need precision 'bf16' only, but the grid also crosses them "
+         r"with precisions \['fp32'\]"),
         (lambda d: _grid(d).update(optimizers=["lion"]), r"optimizers\[0\]: unknown value 'lion'"),
         (lambda d: _grid(d).update(warmup=-1), r"gpu\[1\]\.warmup: expected an integer >= 0"),
         (lambda d: _grid(d).update(rounds=True), r"gpu\[1\]\.rounds: expected a positive integer, got True"),
@@ -439,6 +439,8 @@ def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_
                 for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
                 for size in ("xl", "2.7B") for mode in ("forward", "train-step")
                 for compiled in ("eager", "compiled")}
+    expected |= {f"{size}-ctx512-b4-train-step-bf16-{compiled}-sdpa-adamw-master-overlap-w5"
+                 for size in ("xl", "2.7B") for compiled in ("eager", "compiled")}
     assert ids == expected
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}
 
