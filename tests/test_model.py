@@ -280,3 +280,26 @@ def test_adamw_overfits_one_tiny_batch():
         losses.append(loss.item())
     assert losses[0] > 3.5  # ~ln(64) at init
     assert losses[-1] < 0.1 * losses[0]
+
+
+def test_attention_keeps_token_major_layouts():
+    """q, k, v reach the kernel as (B, H, T, d) views of (B, T, H, d) memory, v not a view of the qkv
+    projection: so the backward keeps no qkv output and output_proj's input is a view of the attention's."""
+    lm = model.build("tiny", context_length=16)
+    seen = {}
+
+    def spy(q, k, v, is_causal):
+        seen.update(q=q, k=k, v=v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    attn = lm.layers[0].attn
+    attn.attention_fn = spy
+    x = torch.randn(2, 16, 64)
+    out = attn(x, torch.arange(16))
+    assert out.shape == (2, 16, 64)
+    for name in ("q", "k", "v"):
+        t = seen[name]
+        assert t.shape == (2, 4, 16, 16)
+        assert t.transpose(1, 2).is_contiguous(), name  # token-major memory
+    # each its own (B, T, H, d) tensor: a view of the (B, T, 3d) projection output would keep all of it
+    assert all(seen[n]._base is not None and seen[n]._base.shape == (2, 16, 4, 16) for n in "qkv")

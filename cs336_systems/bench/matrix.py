@@ -156,8 +156,7 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # "own" (cs336_systems.model, the default) or a baseline of the same size ("hf-llama": transformers'
 # LlamaForCausalLM), so that both are timed in one run; and the optimizer of the train step ("adamw": torch's
 # fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
-# cs336_systems.optim.AdamWMaster, bf16 precision only; "adamw-master-overlap": the same, stepping inside the
-# backward on a side stream).
+# cs336_systems.optim.AdamWMaster, bf16 precision only).
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
              "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER])}
 

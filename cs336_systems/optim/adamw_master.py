@@ -33,13 +33,6 @@ Usage::
     loss.backward()
     opt.step()
 
-``overlap=True`` steps each parameter inside the backward, as soon as its gradient is accumulated (a
-post-accumulate-grad hook), on a side CUDA stream, and frees the gradient: the memory-bound updates run while
-the backward's GEMMs still occupy the main stream, instead of ~30 ms after them at 2.7B.  `step` then only
-makes the main stream wait for the side stream (and updates any parameter whose gradient was set by hand).
-The price: the gradients are gone before `step`, so no clipping, no GradScaler and no accumulation over
-several backward passes (each backward is a step).  Numerically it is the same update.
-
 ``impl``: "triton" (the kernel; CUDA tensors, or CPU ones under TRITON_INTERPRET=1), "torch" (the same update
 in PyTorch ops, `adamw_update_reference`, any device), or "auto" (the kernel on CUDA, PyTorch ops elsewhere).
 """
@@ -114,7 +107,6 @@ class AdamWMaster(torch.optim.Optimizer):
         compute_params: Iterable[nn.Parameter] = (),
         compute_dtype: torch.dtype = torch.bfloat16,
         impl: str = "auto",
-        overlap: bool = False,
     ) -> None:
         _positive_finite("lr", lr, allow_zero=True)
         _positive_finite("eps", eps, allow_zero=True)
@@ -126,13 +118,9 @@ class AdamWMaster(torch.optim.Optimizer):
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.impl = impl
         self.compute_dtype = compute_dtype
-        self.overlap = overlap
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         owned = {id(p) for group in self.param_groups for p in group["params"]}
         for p in dict.fromkeys(compute_params):  # a parameter named twice is cast once
             if id(p) not in owned:
@@ -148,36 +136,6 @@ class AdamWMaster(torch.optim.Optimizer):
                 if "master" not in self.state[p] and p.dtype != torch.float32:
                     raise ValueError(f"params not in compute_params must be float32 (they are their own masters); "
                                      f"got one of dtype {p.dtype} and shape {tuple(p.shape)}")
-        self._hooks = []
-        if overlap:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self._hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda param, group=group: self._step_in_backward(param, group)))
-
-    def _step_in_backward(self, p: torch.Tensor, group: dict) -> None:
-        """Update ``p`` now that its gradient is complete; on CUDA on a side stream that first waits for the
-        work queued so far (the kernels that produced the gradient and any that still read the weight)."""
-        with torch.no_grad():
-            if not p.is_cuda:
-                self._update(p, group)
-            else:
-                side = self._side_streams.get(p.device)
-                if side is None:
-                    side = self._side_streams[p.device] = torch.cuda.Stream(p.device)
-                side.wait_stream(torch.cuda.current_stream(p.device))
-                with torch.cuda.stream(side):
-                    self._update(p, group)
-                p.grad.record_stream(side)  # the allocator must not reuse it before the side stream read it
-        p.grad = None
-
-    def remove_hooks(self) -> None:
-        """Stop stepping inside the backward (``overlap=True``); `step` updates every parameter again."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self.overlap = False
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The float32 weights of parameter ``p``: its master, or ``p`` itself if it is not a compute parameter."""
@@ -200,8 +158,6 @@ class AdamWMaster(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for device, side in self._side_streams.items():
-            torch.cuda.current_stream(device).wait_stream(side)  # the next forward reads the updated weights
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

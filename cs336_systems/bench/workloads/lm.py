@@ -24,8 +24,6 @@ Optimizers (``optimizer``, `OPTIMIZERS`), both fused (one pass over each tensor'
                   masters in the optimizer, so autocast casts nothing (bf16 precision only).  In the forward
                   and forward-backward modes, which build no optimizer, the Linear weights are held in bf16
                   the same way, so each mode times the same model.
-  "adamw-master-overlap"  the same, stepping each parameter inside the backward on a side CUDA stream as soon
-                  as its gradient is complete (``AdamWMaster(overlap=True)``)
 
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
@@ -50,8 +48,8 @@ from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weight
 MODES = ("forward", "forward-backward", "train-step")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
-OPTIMIZERS = ("adamw", "adamw-master", "adamw-master-overlap")
-MASTER_WEIGHT_OPTIMIZERS = ("adamw-master", "adamw-master-overlap")
+OPTIMIZERS = ("adamw", "adamw-master")
+MASTER_WEIGHT_OPTIMIZERS = ("adamw-master",)
 DEFAULT_OPTIMIZER = "adamw"
 
 
@@ -131,7 +129,7 @@ def lm_step(
     "every-k", "sqrt"): blocks recompute their activations in backward instead of keeping them.
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
-    ``optimizer`` picks the AdamW (module docstring); "adamw-master(-overlap)" needs precision "bf16".
+    ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -156,8 +154,7 @@ def lm_step(
     opt = None
     if mode == "train-step":
         if optimizer in MASTER_WEIGHT_OPTIMIZERS:
-            opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model),
-                              overlap=optimizer == "adamw-master-overlap")
+            opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model))
         else:
             # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
             opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
