@@ -302,4 +302,4 @@ def test_attention_keeps_token_major_layouts():
         assert t.shape == (2, 4, 16, 16)
         assert t.transpose(1, 2).is_contiguous(), name  # token-major memory
     # each its own (B, T, H, d) tensor: a view of the (B, T, 3d) projection output would keep all of it
-    assert all(seen[n]._base is not None and seen[n]._base.shape == (2, 16, 4, 16) for n in "qkv")
+    assert all(seen[n]._base is not None and seen[n]._base.numel() == seen[n].numel() for n in "qkv")
