@@ -9,12 +9,14 @@ Tables for the end-to-end suites:
   * the warm-up study: mean +- std per number of warm-up steps.
 
 Runs saved before the end-to-end suite had an implementation axis measured our own model: an entry without
-``impl`` counts as "own".
+``impl`` counts as "own"; and before it had an optimizer axis, torch's AdamW: no ``optimizer`` counts as
+"adamw".  Tables split by optimizer wherever a run measured several (`optimizer_of`).
 """
 
 from __future__ import annotations
 
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as OWN
+from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
 from cs336_systems.reporting.tables import (
     LM_FIELDS,
     MODE_ORDER,
@@ -36,6 +38,11 @@ def impl_of(entry: dict) -> str:
     return entry.get("impl") or OWN
 
 
+def optimizer_of(entry: dict) -> str:
+    """The optimizer of an end-to-end entry's train step (module docstring: none recorded means "adamw")."""
+    return entry.get("optimizer") or DEFAULT_OPTIMIZER
+
+
 def _mfu_cell(entry: dict | None) -> str:
     mfu = entry.get("mfu") if entry and entry.get("status") == "ok" else None
     return fmt(None if mfu is None else 100 * mfu, ".1f") + ("%" if mfu else "")
@@ -48,11 +55,12 @@ def end_to_end_tables(entries: list[dict]) -> str:
     out = []
 
     def variant(e: dict) -> tuple:
-        return impl_of(e), e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size")
+        return (impl_of(e), e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size"),
+                optimizer_of(e))
 
-    for impl, precision, compiled, attention, batch in sorted({variant(e) for e in lm},
-                                                              key=lambda v: (v[0] != OWN, str(v))):
-        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch)]
+    for impl, precision, compiled, attention, batch, optimizer in sorted(
+            {variant(e) for e in lm}, key=lambda v: (v[0] != OWN, v[5] != DEFAULT_OPTIMIZER, str(v))):
+        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch, optimizer)]
         modes = [m for m in MODE_ORDER if any(e.get("mode") == m for e in subset)]
         cells = {(e["size"], e["context"], e["mode"]): e for e in subset}
         header = ["size", "context"]
@@ -76,6 +84,8 @@ def end_to_end_tables(entries: list[dict]) -> str:
             rows.append(row)
         which = "" if impl == OWN else f", {impl} baseline ({IMPL_TITLES.get(impl, impl)})"
         title = f"### End-to-end{which}: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
+        if optimizer != DEFAULT_OPTIMIZER:
+            title += f", optimizer={optimizer}"
         out.append(title + "\n\n" + md_table(header, rows))
     return "\n\n".join(out)
 
@@ -89,19 +99,27 @@ def baseline_table(entries: list[dict]) -> str:
     if not baselines:
         return ""
     rows = []
+    own_optimizers = sorted({optimizer_of(e) for e in lm if impl_of(e) == OWN}, key=lambda o: (o != DEFAULT_OPTIMIZER, o))
     for hf in sorted(baselines, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
-                                              else len(MODE_ORDER), str(e.get("precision")), bool(e.get("compile")))):
+                                              else len(MODE_ORDER), str(e.get("precision")), bool(e.get("compile")),
+                                              optimizer_of(e))):
         key = tuple(hf.get(f) for f in LM_FIELDS)
-        twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in LM_FIELDS) == key]
-        own = next((e for e in twins if e.get("run") == hf.get("run")), twins[-1] if twins else None)
-        ratio = same_run_ratio(own, hf)
-        own_ms, hf_ms = stat_ms(own), stat_ms(hf)
-        rows.append([str(hf.get("size")), str(hf.get("context")), str(hf.get("batch_size")), str(hf.get("mode")),
-                     str(hf.get("precision")), compile_label(hf.get("compile")), str(hf.get("attention")),
-                     fmt(own_ms, ".2f") if own_ms else cell_time(own), fmt(hf_ms, ".2f") if hf_ms else cell_time(hf),
-                     fmt(ratio, ".2f"), _mfu_cell(own), _mfu_cell(hf)])
-    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own median ms",
-              "HF median ms", "own / HF", "own MFU", "HF MFU"]
+        # one row per optimizer our model ran this case with (HF's optimizer is its own column)
+        for optimizer in own_optimizers:
+            twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in LM_FIELDS) == key
+                     and optimizer_of(e) == optimizer]
+            if not twins and optimizer != DEFAULT_OPTIMIZER:
+                continue
+            own = next((e for e in twins if e.get("run") == hf.get("run")), twins[-1] if twins else None)
+            ratio = same_run_ratio(own, hf)
+            own_ms, hf_ms = stat_ms(own), stat_ms(hf)
+            rows.append([str(hf.get("size")), str(hf.get("context")), str(hf.get("batch_size")), str(hf.get("mode")),
+                         str(hf.get("precision")), compile_label(hf.get("compile")), str(hf.get("attention")),
+                         optimizer, optimizer_of(hf),
+                         fmt(own_ms, ".2f") if own_ms else cell_time(own), fmt(hf_ms, ".2f") if hf_ms else cell_time(hf),
+                         fmt(ratio, ".2f"), _mfu_cell(own), _mfu_cell(hf)])
+    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own optimizer",
+              "HF optimizer", "own median ms", "HF median ms", "own / HF", "own MFU", "HF MFU"]
     return (f"### Own model vs {HF} ({IMPL_TITLES[HF]})\n\n" + md_table(header, rows)
             + "\n\nown / HF: our median over the baseline's, same saved run only (\"-\" where either is missing or "
             "they come from different runs); below 1, ours is faster.")
@@ -109,18 +127,20 @@ def baseline_table(entries: list[dict]) -> str:
 
 def comparison_table(entries: list[dict], field: str, baseline, variant, title: str) -> str:
     """Pair cases that differ only in ``field`` (baseline vs variant): medians and speedup.  Within one
-    implementation; its column shows only when the entries measured several."""
-    lm = [{**e, "impl": impl_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
+    implementation and optimizer; their columns show only when the entries measured several."""
+    lm = [{**e, "impl": impl_of(e), "optimizer": optimizer_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
     shown = [f for f in LM_FIELDS if f != field]
-    others = (["impl"] if len({e["impl"] for e in lm}) > 1 else []) + shown
-    index = {(tuple(e.get(f) for f in ["impl", *shown]), e.get(field)): e for e in lm}
+    variants = [k for k in ("impl", "optimizer") if len({e[k] for e in lm}) > 1]
+    others = variants + shown
+    keys = ["impl", "optimizer", *shown]
+    index = {(tuple(e.get(f) for f in keys), e.get(field)): e for e in lm}
     rows = []
     for (rest, value), base in sorted(index.items(), key=lambda kv: (size_order(kv[1]), str(kv[0]))):
         if value != baseline or (rest, variant) not in index:
             continue
         other = index[(rest, variant)]
         b, v = stat_ms(base), stat_ms(other)
-        case = dict(zip(["impl", *shown], rest))
+        case = dict(zip(keys, rest))
         label = [str(case.get(f)) if f != "compile" else compile_label(case.get(f)) for f in others]
         speedup = f"{b / v:.2f}x" if b and v else "-"
         rows.append(label + [fmt(b, ".2f") if b else cell_time(base),
@@ -149,7 +169,8 @@ def peak_memory_tables(entries: list[dict]) -> str:
     """End-to-end peak memory (GiB, measured rounds only) per size x context, one column per (mode,
     precision): the handout's "peak memory of the 2.7B model" table, for every size that ran."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
-          and e.get("attention") == "sdpa" and impl_of(e) == OWN]  # our model's memory; baselines in their tables
+          and e.get("attention") == "sdpa" and impl_of(e) == OWN
+          and optimizer_of(e) == DEFAULT_OPTIMIZER]  # our model's memory; baselines and optimizers in their tables
     cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}
     columns = [(m, p) for m in MODE_ORDER for p in ("fp32", "bf16", "fp16")
                if any(k[3] == m and k[4] == p for k in cells)]

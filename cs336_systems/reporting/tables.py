@@ -104,7 +104,9 @@ def case_key(entry: dict) -> tuple:
     # Warm-up identifies a case only in the warm-up study (its axis); elsewhere it is how the case was
     # measured, so a re-run with another warm-up replaces the earlier run's entry instead of sitting beside it.
     warmup = entry.get("warmup") if entry.get("test") == "test_warmup_study" else None
-    return (entry.get("test"), warmup) + tuple(
+    # An LM entry saved before the optimizer axis ran torch's AdamW: the same case as "adamw" now.
+    optimizer = (entry.get("optimizer") or "adamw") if "size" in entry else None
+    return (entry.get("test"), warmup, optimizer) + tuple(
         entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )
 

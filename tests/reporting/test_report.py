@@ -853,16 +853,41 @@ def test_end_to_end_report_shows_baseline_rows_and_own_over_hf_where_both_ran_in
     assert "| xl | 512 | 100.00 ± 1.00 |" in hf and "80.00" not in hf
     assert text.index("### End-to-end: bf16, eager") < text.index("### End-to-end, hf-llama baseline")
     versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
-    assert "| size | context | batch | mode | precision | compile | attention | own median ms | HF median ms | " \
-           "own / HF |" in versus
-    assert "| xl | 512 | 4 | train-step | bf16 | eager | sdpa | 80.00 | 100.00 | 0.80 | 25.0% | 25.0% |" in versus
+    assert "| size | context | batch | mode | precision | compile | attention | own optimizer | HF optimizer | " \
+           "own median ms | HF median ms | own / HF |" in versus
+    assert "| xl | 512 | 4 | train-step | bf16 | eager | sdpa | adamw | adamw | 80.00 | 100.00 | 0.80 | 25.0% | " \
+           "25.0% |" in versus
     # compiled: both measured, but in two saved runs: no ratio
-    assert "| xl | 512 | 4 | train-step | bf16 | compiled | sdpa | 70.00 | 90.00 | - |" in versus
+    assert "| xl | 512 | 4 | train-step | bf16 | compiled | sdpa | adamw | adamw | 70.00 | 90.00 | - |" in versus
     # eager vs compiled pairs within one implementation, never ours with the baseline
     speedups = _section(text, "### eager vs torch.compile")
     assert "| own | xl | 512 | 4 | train-step | bf16 | sdpa | 80.00 | 70.00 | 1.14x |" in speedups
     assert "| hf-llama | xl | 512 | 4 | train-step | bf16 | sdpa | 100.00 | 90.00 | 1.11x |" in speedups
     assert "hf-llama" not in _section(text, "### Peak memory (eager, SDPA attention)")
+
+
+def test_end_to_end_report_splits_our_optimizers_and_pairs_each_with_the_baseline(tmp_path):
+    def master(bench):
+        bench["extra_info"]["optimizer"] = "adamw-master"
+        return bench
+
+    run = _run(tmp_path, "a.json", [
+        _impl(_bench("2.7B", 512, "train-step", "bf16", True, 0.128), "own"),  # no optimizer recorded: adamw
+        master(_impl(_bench("2.7B", 512, "train-step", "bf16", True, 0.112), "own")),
+        master(_impl(_bench("2.7B", 512, "train-step", "bf16", False, 0.140), "own")),
+        _impl(_bench("2.7B", 512, "train-step", "bf16", True, 0.132), "hf-llama"),
+    ])
+    text = report.render([run])
+    adamw = _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4\n")
+    assert "128.00" in adamw and "112.00" not in adamw
+    assert "112.00" in _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4, optimizer=adamw-master")
+    versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
+    assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | sdpa | adamw | adamw | 128.00 | 132.00 | 0.97 |" in versus
+    assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | sdpa | adamw-master | adamw | 112.00 | 132.00 | 0.85 |" \
+        in versus
+    speedups = _section(text, "### eager vs torch.compile")  # within one optimizer: only the master pair
+    assert "| own | adamw-master | 2.7B | 512 | 4 | train-step | bf16 | sdpa | 140.00 | 112.00 | 1.25x |" in speedups
+    assert speedups.count("| own |") == 1
 
 
 def test_without_a_baseline_there_is_no_baseline_table_or_impl_column(tmp_path):
