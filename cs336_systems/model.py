@@ -53,7 +53,6 @@ from torch import nn
 
 from cs336_systems import attention as attention_registry
 from cs336_systems.checkpointing import CheckpointPolicy, run_blocks
-from cs336_systems.linear_cross_entropy import linear_cross_entropy
 
 
 # Devices whose tokens are range-checked on every forward (reading them back costs no synchronization);
@@ -79,9 +78,6 @@ class ModelConfig:
     attention: str = "naive"
     norm_eps: float = 1e-5
     checkpoint: str = "none"  # activation checkpointing of the block stack: "none" | "every-<k>" | "sqrt"
-    # `TransformerLM.loss`: 0 computes F.cross_entropy on the full logits; k > 0 fuses the LM head with the
-    # loss over chunks of k tokens, never holding the (tokens, vocab) float32 logits (linear_cross_entropy)
-    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
@@ -96,10 +92,6 @@ class ModelConfig:
             raise ValueError(
                 f"head dimension d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE"
             )
-        if (not isinstance(self.loss_chunk_tokens, int) or isinstance(self.loss_chunk_tokens, bool)
-                or self.loss_chunk_tokens < 0):
-            raise ValueError(f"loss_chunk_tokens must be a non-negative integer (0: no chunking), got "
-                             f"{self.loss_chunk_tokens!r}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value <= 0:
@@ -296,31 +288,14 @@ class TransformerLM(nn.Module):
         if not every_call:
             self._range_checked = (weakref.ref(tokens), tokens._version)
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> the final norm's output (B, T, d): everything but the LM head."""
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 (or int32) ids in [0, vocab_size), T <= context_length -> logits (B, T, vocab_size)."""
         self._check_tokens(tokens)
         seq = tokens.shape[1]
         positions = torch.arange(seq, device=tokens.device)
         x = self.token_embeddings(tokens)  # (B, T, d)
         x = run_blocks(self.layers, x, positions, policy=self.checkpoint_policy)  # (B, T, d)
-        return self.final_norm(x)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 (or int32) ids in [0, vocab_size), T <= context_length -> logits (B, T, vocab_size)."""
-        return self.lm_head(self.hidden(tokens))  # (B, T, vocab)
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy: tokens, targets (B, T) -> float32 scalar.  With
-        ``config.loss_chunk_tokens`` k > 0 the head and the loss run fused over chunks of k tokens
-        (`linear_cross_entropy`: no (B*T, vocab) float32 logits); 0: F.cross_entropy on forward's logits."""
-        if targets.shape != tokens.shape:
-            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-        chunk = self.config.loss_chunk_tokens
-        if not chunk:
-            return F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
-        h = self.hidden(tokens)
-        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten().long(),
-                                    chunk_tokens=chunk)
+        return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
 
 def build(

@@ -105,8 +105,7 @@ def case_key(entry: dict) -> tuple:
     # measured, so a re-run with another warm-up replaces the earlier run's entry instead of sitting beside it.
     warmup = entry.get("warmup") if entry.get("test") == "test_warmup_study" else None
     # An LM entry saved before the optimizer axis ran torch's AdamW: the same case as "adamw" now.
-    # Likewise a full-logits loss (loss_chunk_tokens 0) before the fused loss.
-    optimizer = (entry.get("optimizer") or "adamw", entry.get("loss_chunk_tokens") or 0) if "size" in entry else None
+    optimizer = (entry.get("optimizer") or "adamw") if "size" in entry else None
     return (entry.get("test"), warmup, optimizer) + tuple(
         entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )

@@ -15,9 +15,7 @@ Implementations (``impl``, `IMPLS`):
               SDPA attention only, no activation checkpointing; needs the `baselines` extra
               (`unavailable_reason` says so when it is missing).
 Both run the same step: the same batch (one generator, one seed), autocast, logits -> the same
-`F.cross_entropy` -> backward, the same AdamW; only the model that turns tokens into logits differs.  Our
-model can instead fuse its head with the loss over token chunks (``loss_chunk_tokens`` > 0,
-`cs336_systems.linear_cross_entropy`: the same values without the (tokens, vocab) float32 logits).
+`F.cross_entropy` -> backward, the same AdamW; only the model that turns tokens into logits differs.
 
 Optimizers (``optimizer``, `OPTIMIZERS`), both fused (one pass over each tensor's bytes):
   "adamw"         torch.optim.AdamW(fused=True on CUDA) over float32 parameters: autocast casts every GEMM
@@ -124,7 +122,6 @@ def lm_step(
     seed: int = 0,
     impl: str = DEFAULT_IMPL,
     optimizer: str = DEFAULT_OPTIMIZER,
-    loss_chunk_tokens: int = 0,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -133,8 +130,6 @@ def lm_step(
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
     ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
-    ``loss_chunk_tokens`` > 0 fuses our model's LM head with the loss over chunks of that many tokens
-    (`ModelConfig.loss_chunk_tokens`; the baseline takes only 0).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -143,9 +138,6 @@ def lm_step(
     check_optimizer(optimizer, precision)
     device = torch.device(device)
     torch.manual_seed(seed)
-    if impl == "hf-llama" and loss_chunk_tokens:
-        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: the hf-llama baseline computes its loss on "
-                         "full logits only (0)")
     if impl == "hf-llama":
         model = hf_llama.build(size, device=device, context_length=context, attention=attention,
                                vocab_size=vocab_size, checkpoint=checkpoint)
@@ -153,15 +145,12 @@ def lm_step(
 
         def logits_of(tokens: torch.Tensor) -> torch.Tensor:
             return hf_llama.logits(model, tokens)
-
-        def loss_of(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits_of(tokens).flatten(0, 1), targets.flatten())
     else:
         with torch.device(device):
             model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
-                          checkpoint=checkpoint, loss_chunk_tokens=loss_chunk_tokens)
+                          checkpoint=checkpoint)
         units = compile_units(model)
-        logits_of, loss_of = model, model.loss
+        logits_of = model
     opt = None
     if mode == "train-step":
         if optimizer in MASTER_WEIGHT_OPTIMIZERS:
@@ -191,7 +180,8 @@ def lm_step(
     def train() -> None:
         model.zero_grad(set_to_none=True)
         with amp.autocast(precision, device):
-            loss = loss_of(tokens, targets)  # logits (B, T, V) -> cross-entropy (or fused, chunked)
+            logits = logits_of(tokens)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         if scaler is not None:
             scaler.scale(loss).backward()
             if opt is not None:
