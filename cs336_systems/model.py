@@ -42,7 +42,6 @@ the parameters.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import weakref
@@ -51,7 +50,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 
 from cs336_systems import attention as attention_registry
 from cs336_systems.checkpointing import CheckpointPolicy, run_blocks
@@ -80,8 +78,6 @@ class ModelConfig:
     attention: str = "naive"
     norm_eps: float = 1e-5
     checkpoint: str = "none"  # activation checkpointing of the block stack: "none" | "every-<k>" | "sqrt"
-    # Recompute SwiGLU's SiLU(gate) * up in the backward instead of keeping it (SwiGLU's docstring)
-    recompute_swiglu: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
@@ -96,8 +92,6 @@ class ModelConfig:
             raise ValueError(
                 f"head dimension d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE"
             )
-        if not isinstance(self.recompute_swiglu, bool):
-            raise ValueError(f"recompute_swiglu must be True or False, got {self.recompute_swiglu!r}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value <= 0:
@@ -203,43 +197,17 @@ class CausalSelfAttention(nn.Module):
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
 
-def _save_only_matmuls(ctx, op, *args, **kwargs) -> torch_checkpoint.CheckpointPolicy:
-    policy = torch_checkpoint.CheckpointPolicy
-    return policy.MUST_SAVE if op in _MATMULS else policy.PREFER_RECOMPUTE
-
-
-_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
-
-
-def _silu_gate_down(w2: nn.Linear, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return w2(F.silu(gate) * up)
-
-
 class SwiGLU(nn.Module):
-    """W2 (SiLU(W1 x) * W3 x), with W1 and W3 stored as one (2 d_ff, d) weight.
+    """W2 (SiLU(W1 x) * W3 x), with W1 and W3 stored as one (2 d_ff, d) weight."""
 
-    The backward needs gate and up (for SiLU's and the product's gradients) and the product p = SiLU(gate) * up
-    (W2's weight gradient is dy^T p).  Kept, that is 3 x (B, T, d_ff) per layer, the largest part of a block's
-    activations.  ``recompute=True`` keeps gate and up only and recomputes p in the backward (selective
-    activation checkpointing: every matmul's output is saved, the elementwise work is redone; one pass over
-    2 x (B, T, d_ff) elements, which torch.compile fuses into the backward's own elementwise kernel).  The
-    values are unchanged.  It pays with bf16 compute weights (`cs336_systems.optim.AdamWMaster`); with float32
-    weights under autocast the region's bf16 copy of W2 is kept instead, and nothing is saved.
-    """
-
-    def __init__(self, d_model: int, d_ff: int, recompute: bool = False) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
         self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
-        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)  # (B, T, d_ff) each
-        if self.recompute and torch.is_grad_enabled():
-            contexts = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _save_only_matmuls)
-            return torch_checkpoint.checkpoint(_silu_gate_down, self.w2, gate, up, use_reentrant=False,
-                                               context_fn=contexts)
-        return _silu_gate_down(self.w2, gate, up)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -248,7 +216,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg, rope)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, recompute=cfg.recompute_swiglu)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions)

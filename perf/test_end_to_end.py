@@ -33,7 +33,6 @@ def _run_lm_case(case, bench, device):
             mode=case["mode"], precision=case["precision"], compile=case["compile"],
             attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device, impl=impl,
             optimizer=case.get("optimizer", workloads.DEFAULT_OPTIMIZER),
-            recompute_swiglu=case.get("recompute_swiglu", False),
         ),
         case=case,
         flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),

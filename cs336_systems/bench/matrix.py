@@ -27,7 +27,7 @@ Rules checked at load time, so that nothing that loads can fail later inside a c
 * values have the type and range their workload needs (``sizes_mb``: finite, a whole number of float32
   elements, at least one; bucket sizes finite and positive; no bucket size on a variant without buckets;
   no fp16 on a sharded data-parallel variant; no graph timing of mode backward; an end-to-end baseline
-  implementation such as hf-llama only with attention sdpa; the adamw-master optimizers only with bf16; recompute_swiglu only on our model);
+  implementation such as hf-llama only with attention sdpa; the adamw-master optimizers only with bf16);
 * a case's identity is its test id (`case_id`): two grids of one profile whose cases share an id but
   differ in a field the id leaves out (``rounds``, ``inner_iters``) are an error naming both grids, since
   pytest would rename them ``..._0`` / ``..._1`` and saved runs would no longer pair up.  Cases equal in
@@ -158,9 +158,7 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
 # cs336_systems.optim.AdamWMaster, bf16 precision only).
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
-             "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER]),
-             # our model's ModelConfig.recompute_swiglu (SiLU(gate) * up recomputed in the backward)
-             "recompute_swiglu": Key(_boolean, axis=True, required=False, default=[False])}
+             "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER])}
 
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
 _CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
@@ -271,7 +269,6 @@ _SINGULAR = {
     "warmup": "warmup",
     "impls": "impl",
     "optimizers": "optimizer",
-    "recompute_swiglu": "recompute_swiglu",
     "heads": "heads",
     "kv_heads": "kv_heads",
     "seq_lens": "seq_len",
@@ -297,7 +294,6 @@ _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
     ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
-    ("recompute_swiglu", None),
     ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
@@ -322,9 +318,6 @@ def case_id(case: dict) -> str:
             continue  # our own LM (an LM case has a size; an attention case's impl is always shown)
         elif key == "optimizer" and case[key] == LM_DEFAULT_OPTIMIZER:
             continue  # the ids saved before the optimizer axis
-        elif key == "recompute_swiglu":
-            if case[key]:  # False keeps the ids saved before this axis
-                parts.append("swiglu-recompute")
         elif key == "timing":
             if case[key] != "host":  # the default keeps the ids saved before timings existed
                 parts.append(f"{case[key]}time")
@@ -412,14 +405,6 @@ def _master_weights_need_bf16(grid: dict, where: str) -> None:
                           f"crosses them with precisions {[p for p in grid['precisions'] if p != 'bf16']}")
 
 
-def _baselines_keep_their_activations(grid: dict, where: str) -> None:
-    baselines = [i for i in grid.get("impls", ()) if i != LM_DEFAULT_IMPL]
-    if baselines and True in grid.get("recompute_swiglu", ()):
-        # recompute_swiglu is a field of our ModelConfig; transformers' model has no such switch
-        raise MatrixError(f"{where}: impls {baselines} cannot recompute their SwiGLU, but the grid also crosses "
-                          "them with recompute_swiglu true; put those in a grid of their own")
-
-
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -432,8 +417,7 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
-               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16,
-               _baselines_keep_their_activations)
+               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16)
 
 
 def case_fields(suite: str) -> set[str]:

@@ -10,8 +10,7 @@ Tables for the end-to-end suites:
 
 Runs saved before the end-to-end suite had an implementation axis measured our own model: an entry without
 ``impl`` counts as "own"; and before it had an optimizer axis, torch's AdamW: no ``optimizer`` counts as
-"adamw", and before recompute_swiglu, a kept SwiGLU.  Tables split by setup (optimizer, recomputation)
-wherever a run measured several (`setup_of`).
+"adamw".  Tables split by optimizer wherever a run measured several (`optimizer_of`).
 """
 
 from __future__ import annotations
@@ -44,12 +43,6 @@ def optimizer_of(entry: dict) -> str:
     return entry.get("optimizer") or DEFAULT_OPTIMIZER
 
 
-def setup_of(entry: dict) -> str:
-    """How an end-to-end entry trained beyond its case's model fields: the optimizer, and "SwiGLU recomputed"
-    where ``recompute_swiglu`` was on ("adamw-master, SwiGLU recomputed"); "adamw" is the default setup."""
-    return optimizer_of(entry) + (", SwiGLU recomputed" if entry.get("recompute_swiglu") else "")
-
-
 def _mfu_cell(entry: dict | None) -> str:
     mfu = entry.get("mfu") if entry and entry.get("status") == "ok" else None
     return fmt(None if mfu is None else 100 * mfu, ".1f") + ("%" if mfu else "")
@@ -63,11 +56,11 @@ def end_to_end_tables(entries: list[dict]) -> str:
 
     def variant(e: dict) -> tuple:
         return (impl_of(e), e.get("precision"), bool(e.get("compile")), e.get("attention"), e.get("batch_size"),
-                setup_of(e))
+                optimizer_of(e))
 
-    for impl, precision, compiled, attention, batch, setup in sorted(
+    for impl, precision, compiled, attention, batch, optimizer in sorted(
             {variant(e) for e in lm}, key=lambda v: (v[0] != OWN, v[5] != DEFAULT_OPTIMIZER, str(v))):
-        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch, setup)]
+        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch, optimizer)]
         modes = [m for m in MODE_ORDER if any(e.get("mode") == m for e in subset)]
         cells = {(e["size"], e["context"], e["mode"]): e for e in subset}
         header = ["size", "context"]
@@ -91,8 +84,8 @@ def end_to_end_tables(entries: list[dict]) -> str:
             rows.append(row)
         which = "" if impl == OWN else f", {impl} baseline ({IMPL_TITLES.get(impl, impl)})"
         title = f"### End-to-end{which}: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
-        if setup != DEFAULT_OPTIMIZER:
-            title += f", setup={setup}"
+        if optimizer != DEFAULT_OPTIMIZER:
+            title += f", optimizer={optimizer}"
         out.append(title + "\n\n" + md_table(header, rows))
     return "\n\n".join(out)
 
@@ -106,27 +99,27 @@ def baseline_table(entries: list[dict]) -> str:
     if not baselines:
         return ""
     rows = []
-    own_setups = sorted({setup_of(e) for e in lm if impl_of(e) == OWN}, key=lambda o: (o != DEFAULT_OPTIMIZER, o))
+    own_optimizers = sorted({optimizer_of(e) for e in lm if impl_of(e) == OWN}, key=lambda o: (o != DEFAULT_OPTIMIZER, o))
     for hf in sorted(baselines, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
                                               else len(MODE_ORDER), str(e.get("precision")), bool(e.get("compile")),
-                                              setup_of(e))):
+                                              optimizer_of(e))):
         key = tuple(hf.get(f) for f in LM_FIELDS)
-        # one row per setup our model ran this case with (HF's setup is its own column)
-        for setup in own_setups:
+        # one row per optimizer our model ran this case with (HF's optimizer is its own column)
+        for optimizer in own_optimizers:
             twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in LM_FIELDS) == key
-                     and setup_of(e) == setup]
-            if not twins and setup != DEFAULT_OPTIMIZER:
+                     and optimizer_of(e) == optimizer]
+            if not twins and optimizer != DEFAULT_OPTIMIZER:
                 continue
             own = next((e for e in twins if e.get("run") == hf.get("run")), twins[-1] if twins else None)
             ratio = same_run_ratio(own, hf)
             own_ms, hf_ms = stat_ms(own), stat_ms(hf)
             rows.append([str(hf.get("size")), str(hf.get("context")), str(hf.get("batch_size")), str(hf.get("mode")),
                          str(hf.get("precision")), compile_label(hf.get("compile")), str(hf.get("attention")),
-                         setup, setup_of(hf),
+                         optimizer, optimizer_of(hf),
                          fmt(own_ms, ".2f") if own_ms else cell_time(own), fmt(hf_ms, ".2f") if hf_ms else cell_time(hf),
                          fmt(ratio, ".2f"), _mfu_cell(own), _mfu_cell(hf)])
-    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own setup",
-              "HF setup", "own median ms", "HF median ms", "own / HF", "own MFU", "HF MFU"]
+    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own optimizer",
+              "HF optimizer", "own median ms", "HF median ms", "own / HF", "own MFU", "HF MFU"]
     return (f"### Own model vs {HF} ({IMPL_TITLES[HF]})\n\n" + md_table(header, rows)
             + "\n\nown / HF: our median over the baseline's, same saved run only (\"-\" where either is missing or "
             "they come from different runs); below 1, ours is faster.")
@@ -134,13 +127,12 @@ def baseline_table(entries: list[dict]) -> str:
 
 def comparison_table(entries: list[dict], field: str, baseline, variant, title: str) -> str:
     """Pair cases that differ only in ``field`` (baseline vs variant): medians and speedup.  Within one
-    implementation and setup (optimizer, recomputation); their columns show only when the entries measured
-    several."""
-    lm = [{**e, "impl": impl_of(e), "setup": setup_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
+    implementation and optimizer; their columns show only when the entries measured several."""
+    lm = [{**e, "impl": impl_of(e), "optimizer": optimizer_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
     shown = [f for f in LM_FIELDS if f != field]
-    variants = [k for k in ("impl", "setup") if len({e[k] for e in lm}) > 1]
+    variants = [k for k in ("impl", "optimizer") if len({e[k] for e in lm}) > 1]
     others = variants + shown
-    keys = ["impl", "setup", *shown]
+    keys = ["impl", "optimizer", *shown]
     index = {(tuple(e.get(f) for f in keys), e.get(field)): e for e in lm}
     rows = []
     for (rest, value), base in sorted(index.items(), key=lambda kv: (size_order(kv[1]), str(kv[0]))):
@@ -178,7 +170,7 @@ def peak_memory_tables(entries: list[dict]) -> str:
     precision): the handout's "peak memory of the 2.7B model" table, for every size that ran."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and not e.get("compile")
           and e.get("attention") == "sdpa" and impl_of(e) == OWN
-          and setup_of(e) == DEFAULT_OPTIMIZER]  # our model's memory; baselines and other setups in their tables
+          and optimizer_of(e) == DEFAULT_OPTIMIZER]  # our model's memory; baselines and optimizers in their tables
     cells = {(e.get("size"), e.get("context"), e.get("batch_size"), e.get("mode"), e.get("precision")): e for e in lm}
     columns = [(m, p) for m in MODE_ORDER for p in ("fp32", "bf16", "fp16")
                if any(k[3] == m and k[4] == p for k in cells)]

@@ -23,7 +23,7 @@ from cs336_systems.reporting.distributed import (
     group_title,
     targets_text,
 )
-from cs336_systems.reporting.lm import DEFAULT_OPTIMIZER, HF, OWN, impl_of, setup_of
+from cs336_systems.reporting.lm import DEFAULT_OPTIMIZER, HF, OWN, impl_of, optimizer_of
 from cs336_systems.reporting.tables import (
     ATTENTION_MODE_ORDER,
     CROSS_RUN_MARK,
@@ -62,7 +62,7 @@ def headline_table(entries: list[dict], machines: list[dict]) -> str:
     the ratio the gates judge); without it the table is our model's alone.
     """
     by_run = machines_by_run(machines)
-    lm = [e for e in entries if e.get("test") == "test_end_to_end" and setup_of(e) == DEFAULT_OPTIMIZER
+    lm = [e for e in entries if e.get("test") == "test_end_to_end" and optimizer_of(e) == DEFAULT_OPTIMIZER
           and all(e.get(k) == v for k, v in HEADLINE_CASE.items())]
     cells = {(impl_of(e), e.get("mode"), bool(e.get("compile"))): e for e in lm}
     with_hf = any(impl == HF for impl, _, _ in cells)

@@ -105,9 +105,8 @@ def case_key(entry: dict) -> tuple:
     # measured, so a re-run with another warm-up replaces the earlier run's entry instead of sitting beside it.
     warmup = entry.get("warmup") if entry.get("test") == "test_warmup_study" else None
     # An LM entry saved before the optimizer axis ran torch's AdamW: the same case as "adamw" now.
-    # Likewise a SwiGLU kept (recompute_swiglu False) before that axis.
-    setup = (entry.get("optimizer") or "adamw", bool(entry.get("recompute_swiglu"))) if "size" in entry else None
-    return (entry.get("test"), warmup, setup) + tuple(
+    optimizer = (entry.get("optimizer") or "adamw") if "size" in entry else None
+    return (entry.get("test"), warmup, optimizer) + tuple(
         entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )
 

@@ -51,8 +51,7 @@ def test_cases_are_the_product_without_duplicates():
     cases = matrix.parse(data).cases("end_to_end", "cpu")
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
-                        "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw",
-                        "recompute_swiglu": False, "warmup": 1, "rounds": 2,
+                        "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "warmup": 1, "rounds": 2,
                         "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
@@ -88,9 +87,6 @@ def _grid(data):
          r"gpu\[1\]: optimizers \['adamw-master'\] need precision 'bf16' only, but the grid also crosses them "
          r"with precisions \['fp32'\]"),
         (lambda d: _grid(d).update(optimizers=["lion"]), r"optimizers\[0\]: unknown value 'lion'"),
-        (lambda d: _grid(d).update(impls=["own", "hf-llama"], recompute_swiglu=[False, True]),
-         r"gpu\[1\]: impls \['hf-llama'\] cannot recompute their SwiGLU, but the grid also crosses them with "
-         r"recompute_swiglu true"),
         (lambda d: _grid(d).update(warmup=-1), r"gpu\[1\]\.warmup: expected an integer >= 0"),
         (lambda d: _grid(d).update(rounds=True), r"gpu\[1\]\.rounds: expected a positive integer, got True"),
         (lambda d: _grid(d).pop("rounds"), r"gpu\[1\]: missing required key 'rounds'"),
@@ -443,8 +439,6 @@ def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_
                 for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
                 for size in ("xl", "2.7B") for mode in ("forward", "train-step")
                 for compiled in ("eager", "compiled")}
-    expected |= {f"{size}-ctx512-b4-train-step-bf16-{compiled}-sdpa-adamw-master-swiglu-recompute-w5"
-                 for size in ("xl", "2.7B") for compiled in ("eager", "compiled")}
     assert ids == expected
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}
 

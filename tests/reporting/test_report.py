@@ -853,7 +853,7 @@ def test_end_to_end_report_shows_baseline_rows_and_own_over_hf_where_both_ran_in
     assert "| xl | 512 | 100.00 ± 1.00 |" in hf and "80.00" not in hf
     assert text.index("### End-to-end: bf16, eager") < text.index("### End-to-end, hf-llama baseline")
     versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
-    assert "| size | context | batch | mode | precision | compile | attention | own setup | HF setup | " \
+    assert "| size | context | batch | mode | precision | compile | attention | own optimizer | HF optimizer | " \
            "own median ms | HF median ms | own / HF |" in versus
     assert "| xl | 512 | 4 | train-step | bf16 | eager | sdpa | adamw | adamw | 80.00 | 100.00 | 0.80 | 25.0% | " \
            "25.0% |" in versus
@@ -880,7 +880,7 @@ def test_end_to_end_report_splits_our_optimizers_and_pairs_each_with_the_baselin
     text = report.render([run])
     adamw = _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4\n")
     assert "128.00" in adamw and "112.00" not in adamw
-    assert "112.00" in _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4, setup=adamw-master")
+    assert "112.00" in _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4, optimizer=adamw-master")
     versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
     assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | sdpa | adamw | adamw | 128.00 | 132.00 | 0.97 |" in versus
     assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | sdpa | adamw-master | adamw | 112.00 | 132.00 | 0.85 |" \

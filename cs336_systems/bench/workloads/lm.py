@@ -122,7 +122,6 @@ def lm_step(
     seed: int = 0,
     impl: str = DEFAULT_IMPL,
     optimizer: str = DEFAULT_OPTIMIZER,
-    recompute_swiglu: bool = False,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -131,7 +130,6 @@ def lm_step(
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
     ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
-    ``recompute_swiglu`` is our model's `ModelConfig.recompute_swiglu` (the baseline takes only False).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -140,8 +138,6 @@ def lm_step(
     check_optimizer(optimizer, precision)
     device = torch.device(device)
     torch.manual_seed(seed)
-    if impl == "hf-llama" and recompute_swiglu:
-        raise ValueError("recompute_swiglu=True is a setting of our model; the hf-llama baseline takes only False")
     if impl == "hf-llama":
         model = hf_llama.build(size, device=device, context_length=context, attention=attention,
                                vocab_size=vocab_size, checkpoint=checkpoint)
@@ -152,7 +148,7 @@ def lm_step(
     else:
         with torch.device(device):
             model = build(size, context_length=context, attention=attention, vocab_size=vocab_size,
-                          checkpoint=checkpoint, recompute_swiglu=recompute_swiglu)
+                          checkpoint=checkpoint)
         units = compile_units(model)
         logits_of = model
     opt = None
