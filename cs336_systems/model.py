@@ -145,24 +145,29 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE: rotate each adjacent pair (x[2i], x[2i+1]) at position p by angle p * theta^(-2i/d).
 
-    cos/sin tables of shape (context_length, d/2) are non-persistent buffers (not parameters).
+    Computed as x * C + swap(x) * S, where swap exchanges the two elements of each pair and the (T, d) tables
+    hold cos(angle) twice per pair (C) and (-sin, +sin) per pair (S): the pair formula
+    (x0 c - x1 s, x0 s + x1 c) with the same products and sums, so the same roundings in any dtype, in 4 eager
+    kernels (swap, two products, sum; besides gathering and casting the tables) and 4 in the backward, where
+    the even/odd form takes 7 and about 12.
+    The tables are non-persistent buffers (not parameters).
     """
 
     def __init__(self, d_head: int, context_length: int, theta: float) -> None:
         super().__init__()
         inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)  # (d/2,)
         angles = torch.arange(context_length, dtype=torch.float32)[:, None] * inv_freq  # (T, d/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos_pairs", cos.repeat_interleave(2, dim=-1), persistent=False)  # (T, d)
+        self.register_buffer("sin_pairs", torch.stack((-sin, sin), dim=-1).flatten(-2), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (..., T, d); positions: (T,) or broadcastable (..., T) integer positions.  Positions of shape
         (T, 1) rotate x of shape (..., T, H, d): one position per token, shared by its heads."""
-        cos = self.cos[positions].to(x.dtype)  # (..., T, d/2)
-        sin = self.sin[positions].to(x.dtype)
-        x_even, x_odd = x[..., 0::2], x[..., 1::2]  # (..., T, d/2) each
-        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-        return rotated.flatten(-2)  # (..., T, d), pairs interleaved back
+        cos = self.cos_pairs[positions].to(x.dtype)  # (..., T, d)
+        sin = self.sin_pairs[positions].to(x.dtype)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+        return x * cos + swapped * sin
 
 
 class CausalSelfAttention(nn.Module):

@@ -303,3 +303,18 @@ def test_attention_keeps_token_major_layouts():
         assert t.transpose(1, 2).is_contiguous(), name  # token-major memory
     # each its own (B, T, H, d) tensor: a view of the (B, T, 3d) projection output would keep all of it
     assert all(seen[n]._base is not None and seen[n]._base.numel() == seen[n].numel() for n in "qkv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_is_the_pair_formula_bit_for_bit(dtype):
+    """x * C + swap(x) * S against the even/odd pair formula: the same products and sums, so equal exactly."""
+    torch.manual_seed(0)
+    rope = model.RotaryEmbedding(16, context_length=32, theta=10_000.0)
+    x = torch.randn(2, 32, 3, 16).to(dtype)
+    positions = torch.arange(32)[:, None]
+    inv_freq = 10_000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos()[:, None].to(dtype), angles.sin()[:, None].to(dtype)  # (T, 1, d/2)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    want = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    assert torch.equal(rope(x, positions), want)
