@@ -136,7 +136,10 @@ class AdamWMaster(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 raise ValueError(f"compute_params must be float32 when the optimizer is built (their masters are "
                                  f"copied from them); got one of dtype {p.dtype} and shape {tuple(p.shape)}")
-            self.state[p]["master"] = p.detach().clone(memory_format=torch.contiguous_format)
+            # The parameter's own float32 storage becomes the master and the parameter gets a new bf16 one:
+            # no float32 copy is made and freed (12.7 GiB at 2.7B, which left the allocator's cache
+            # fragmented for the steps that follow).
+            self.state[p]["master"] = p.data if p.data.is_contiguous() else p.data.contiguous()
             hold_in([p], compute_dtype)
         for group in self.param_groups:
             for p in group["params"]:
