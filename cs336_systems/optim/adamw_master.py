@@ -9,10 +9,9 @@ float32 copy itself and lets the model hold the bf16 one:
     state, and the parameter itself is cast in place to ``compute_dtype``;
   * autocast then finds the weight already in bf16 (no cast), and autograd produces its gradient in bf16
     (no cast back): the value autocast's GEMM produced before its cast to float32;
-  * `step` runs one fused Triton kernel over all tensors (`adamw_kernel`; one launch per gradient dtype): it
-    reads the float32 master, the bf16 gradient and the two float32 moments, and writes the master, the
-    moments and the master rounded to bf16 into the parameter; 28 bytes an element, the same as torch's
-    fused AdamW on float32 parameters.
+  * `step` runs one fused kernel per tensor (`adamw_kernel`): it reads the float32 master, the bf16 gradient
+    and the two float32 moments, and writes the master, the moments and the master rounded to bf16 into the
+    parameter; 28 bytes an element, the same as torch's fused AdamW on float32 parameters.
 
 Parameters not in ``compute_params`` (embeddings, norm gains: not GEMM operands, and kept float32 so the
 residual stream and the norms keep their precision) are their own masters and are updated by the same kernel
@@ -71,12 +70,7 @@ def adamw_update_reference(
     compute: torch.Tensor | None, *, decay: float, beta1: float, beta2: float, step_size: float,
     sqrt_bias2: float, eps: float,
 ) -> None:
-    """One tensor's update of `adamw_kernel` in PyTorch ops (the same order of operations), in place.
-
-    master, exp_avg, exp_avg_sq: float32 of one shape; grad: that shape, any float dtype; compute: None or a
-    tensor of that shape that receives the updated weights in its dtype.  decay = 1 - lr * weight_decay,
-    step_size = lr / (1 - beta1^t), sqrt_bias2 = sqrt(1 - beta2^t).
-    """
+    """`adamw_kernel.adamw_update` in PyTorch ops (same arguments, same order of operations), in place."""
     g = grad.to(torch.float32)
     master.mul_(decay)
     exp_avg.lerp_(g, 1.0 - beta1)
@@ -127,7 +121,6 @@ class AdamWMaster(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.impl = impl
         self.compute_dtype = compute_dtype
-        self._launch_tables: dict[tuple, tuple] = {}
         owned = {id(p) for group in self.param_groups for p in group["params"]}
         for p in dict.fromkeys(compute_params):  # a parameter named twice is cast once
             if id(p) not in owned:
@@ -151,73 +144,55 @@ class AdamWMaster(torch.optim.Optimizer):
         """The float32 weights of parameter ``p``: its master, or ``p`` itself if it is not a compute parameter."""
         return self.state[p].get("master", p)
 
-    def _use_triton(self, device: torch.device) -> bool:
+    def _use_triton(self, tensors: list[torch.Tensor]) -> bool:
         if self.impl == "torch":
             return False
-        on_cuda = device.type == "cuda"
+        on_cuda = all(t.is_cuda for t in tensors)
         if self.impl == "auto":
             return on_cuda
         if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter; got "
-                             f"tensors on {device}")
+                             f"tensors on {sorted({str(t.device) for t in tensors})}")
         return True
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step of every parameter with a gradient: one kernel launch per (group, step count,
-        gradient dtype, compute copy or not, device), usually two a model (bf16 and float32 parameters)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        launches: dict[tuple, list[torch.Tensor]] = {}
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamWMaster does not support sparse gradients")
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    master = state.get("master", p)
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                key = (index, state["step"], p.grad.dtype, "master" in state, p.device)
-                launches.setdefault(key, []).append(p)
-        for (index, t, _, has_master, device), params in launches.items():
-            group = self.param_groups[index]
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            args = dict(decay=1.0 - lr * group["weight_decay"], beta1=beta1, beta2=beta2,
-                        step_size=lr / (1.0 - beta1**t), sqrt_bias2=math.sqrt(1.0 - beta2**t), eps=group["eps"])
-            states = [self.state[p] for p in params]
-            masters = [st.get("master", p) for st, p in zip(states, params)]
-            exp_avgs, exp_avg_sqs = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
-            computes = params if has_master else None
-            fixed = masters + exp_avgs + exp_avg_sqs + (computes or [])
-            if self._use_triton(device) and all(x.is_contiguous() for x in fixed):
-                from cs336_systems.optim import adamw_kernel  # imports Triton
-
-                tables = self._tables(params, masters, exp_avgs, exp_avg_sqs, computes)
-                adamw_kernel.adamw_update_many(tables, [p.grad.contiguous() for p in params], **args)
-            else:  # PyTorch ops; also non-contiguous parameters, which the flat kernel cannot index
-                for p, master, m, v in zip(params, masters, exp_avgs, exp_avg_sqs):
-                    adamw_update_reference(master, p.grad, m, v, p if has_master else None, **args)
+                if p.grad is not None:
+                    self._update(p, group)
         return loss
 
-    def _tables(self, params, masters, exp_avgs, exp_avg_sqs, computes):
-        """The launch's static address tables, cached per parameter list; rebuilt when any of those tensors
-        moved (a parameter's storage replaced, `load_state_dict`)."""
-        from cs336_systems.optim import adamw_kernel
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("AdamWMaster does not support sparse gradients")
+        state = self.state[p]
+        master = state.get("master", p)
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
+        state["step"] += 1
+        t = state["step"]
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        compute = p if "master" in state else None
+        args = dict(decay=1.0 - lr * group["weight_decay"], beta1=beta1, beta2=beta2,
+                    step_size=lr / (1.0 - beta1**t), eps=group["eps"])
+        sqrt_bias2 = math.sqrt(1.0 - beta2**t)
+        tensors = [master, grad, state["exp_avg"], state["exp_avg_sq"]] + ([compute] if compute is not None else [])
+        if self._use_triton(tensors) and all(x.is_contiguous() for x in tensors[:1] + tensors[2:]):
+            from cs336_systems.optim import adamw_kernel  # imports Triton
 
-        key = (tuple(id(p) for p in params), computes is not None)
-        where = tuple(x.data_ptr() for x in masters + exp_avgs + exp_avg_sqs + (computes or []))
-        cached = self._launch_tables.get(key)
-        if cached is None or cached[0] != where:
-            cached = (where, adamw_kernel.TensorTables(masters, exp_avgs, exp_avg_sqs, computes))
-            self._launch_tables[key] = cached
-        return cached[1]
+            adamw_kernel.adamw_update(master, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], compute,
+                                      sqrt_bias2=sqrt_bias2, **args)
+        else:  # PyTorch ops; also a non-contiguous parameter, which the flat kernel cannot index
+            adamw_update_reference(master, grad, state["exp_avg"], state["exp_avg_sq"], compute,
+                                   sqrt_bias2=sqrt_bias2, **args)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch's loader casts floating-point state to each parameter's dtype, which would round the float32
