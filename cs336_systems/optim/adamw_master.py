@@ -5,8 +5,8 @@ to bf16 (4 bytes read, 2 written) and the backward casts the bf16 weight gradien
 4 written).  The values the GEMMs see are the same bf16 roundings either way.  `AdamWMaster` keeps the
 float32 copy itself and lets the model hold the bf16 one:
 
-  * at construction, each of ``compute_params`` (float32) is copied into a float32 master in the optimizer's
-    state, and the parameter itself is cast in place to ``compute_dtype``;
+  * at construction, each of ``compute_params`` (float32) hands its float32 storage to the optimizer's state
+    as its master, and the parameter itself is given a ``compute_dtype`` copy;
   * autocast then finds the weight already in bf16 (no cast), and autograd produces its gradient in bf16
     (no cast back): the value autocast's GEMM produced before its cast to float32;
   * `step` runs one fused kernel per tensor (`adamw_kernel`): it reads the float32 master, the bf16 gradient
@@ -127,11 +127,11 @@ class AdamWMaster(torch.optim.Optimizer):
                 raise ValueError("compute_params must be parameters this optimizer updates; got one of shape "
                                  f"{tuple(p.shape)} that is not in params")
             if p.dtype != torch.float32:
-                raise ValueError(f"compute_params must be float32 when the optimizer is built (their masters are "
-                                 f"copied from them); got one of dtype {p.dtype} and shape {tuple(p.shape)}")
+                raise ValueError(f"compute_params must be float32 when the optimizer is built (their float32 "
+                                 f"storage becomes the master); got one of dtype {p.dtype} and shape {tuple(p.shape)}")
             # The parameter's own float32 storage becomes the master and the parameter gets a new bf16 one:
-            # no float32 copy is made and freed (12.7 GiB at 2.7B, which left the allocator's cache
-            # fragmented for the steps that follow).
+            # construction holds the float32 weights and their bf16 copies (19 GiB at 2.7B), not two float32
+            # copies (25 GiB) of which one is freed.
             self.state[p]["master"] = p.data if p.data.is_contiguous() else p.data.contiguous()
             hold_in([p], compute_dtype)
         for group in self.param_groups:
