@@ -1,7 +1,7 @@
 """The package's shape: layers import only downwards, no import cycles, no private names across modules.
 
 Layers, lowest first (docs/architecture.md):
-  library    model, checkpointing, amp, nvtx, cli_args, attention/, parallel/   (what users import)
+  library    model, checkpointing, amp, nvtx, cli_args, attention/, optim/, parallel/   (what users import)
   bench      the measurement core                                              (cs336_systems.bench)
   tools      profile, kernel summaries, memory, accounting, amp probes         (cs336_systems.tools)
   reporting  saved runs -> tables, plots, README block, gates, baselines       (cs336_systems.reporting)
