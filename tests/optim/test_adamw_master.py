@@ -223,3 +223,12 @@ def test_linear_weights_are_the_gemm_operands_of_the_lm():
     assert got == sorted(n for n in names.values() if n.endswith(gemm))
     assert len(got) == 2 * 4 + 1
 
+
+
+def test_the_master_is_the_parameters_own_float32_storage():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    before, where = p.detach().clone(), p.data_ptr()
+    opt = AdamWMaster([p], compute_params=[p])
+    assert opt.master(p).data_ptr() == where and torch.equal(opt.master(p), before)  # no float32 copy made
+    assert p.dtype == torch.bfloat16 and p.data_ptr() != where
+    assert torch.equal(p.detach(), before.to(torch.bfloat16))
