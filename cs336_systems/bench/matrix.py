@@ -54,7 +54,6 @@ from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
 from cs336_systems.bench.workloads.lm import IMPLS as LM_IMPLS
 from cs336_systems.bench.workloads.lm import OPTIMIZERS as LM_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPTIMIZER
-from cs336_systems.bench.workloads.lm import MASTER_WEIGHT_OPTIMIZERS as LM_MASTER_WEIGHT_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
 from cs336_systems.model import SIZES
 
@@ -398,11 +397,11 @@ def _baselines_run_sdpa_only(grid: dict, where: str) -> None:
 
 
 def _master_weights_need_bf16(grid: dict, where: str) -> None:
-    master = [o for o in grid.get("optimizers", ()) if o in LM_MASTER_WEIGHT_OPTIMIZERS]
-    if master and any(p != "bf16" for p in grid.get("precisions", ())):
+    other = [p for p in grid.get("precisions", ()) if p != "bf16"]
+    if "adamw-master" in grid.get("optimizers", ()) and other:
         # AdamWMaster's compute weights are bf16 (cs336_systems.bench.workloads.lm.check_optimizer)
-        raise MatrixError(f"{where}: optimizers {master} need precision 'bf16' only, but the grid also "
-                          f"crosses them with precisions {[p for p in grid['precisions'] if p != 'bf16']}")
+        raise MatrixError(f"{where}: optimizers ['adamw-master'] need precision 'bf16' only, but the grid also "
+                          f"crosses them with precisions {other}")
 
 
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:

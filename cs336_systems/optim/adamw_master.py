@@ -81,12 +81,10 @@ def adamw_update_reference(
         compute.copy_(master)
 
 
-def _positive_finite(name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        kind = "a finite non-negative number" if allow_zero else "a finite positive number"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
-    return float(value)
+def _check_non_negative(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
 
 
 class AdamWMaster(torch.optim.Optimizer):
@@ -108,9 +106,8 @@ class AdamWMaster(torch.optim.Optimizer):
         compute_dtype: torch.dtype = torch.bfloat16,
         impl: str = "auto",
     ) -> None:
-        _positive_finite("lr", lr, allow_zero=True)
-        _positive_finite("eps", eps, allow_zero=True)
-        _positive_finite("weight_decay", weight_decay, allow_zero=True)
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_non_negative(name, value)
         if (not isinstance(betas, (tuple, list)) or len(betas) != 2
                 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")

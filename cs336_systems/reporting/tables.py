@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cs336_systems.bench.machine import COMPARABLE_FIELDS
+from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
 from cs336_systems.reporting.run_files import read_run
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
@@ -105,7 +106,7 @@ def case_key(entry: dict) -> tuple:
     # measured, so a re-run with another warm-up replaces the earlier run's entry instead of sitting beside it.
     warmup = entry.get("warmup") if entry.get("test") == "test_warmup_study" else None
     # An LM entry saved before the optimizer axis ran torch's AdamW: the same case as "adamw" now.
-    optimizer = (entry.get("optimizer") or "adamw") if "size" in entry else None
+    optimizer = (entry.get("optimizer") or DEFAULT_OPTIMIZER) if "size" in entry else None
     return (entry.get("test"), warmup, optimizer) + tuple(
         entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )

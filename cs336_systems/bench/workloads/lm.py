@@ -49,7 +49,6 @@ MODES = ("forward", "forward-backward", "train-step")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
 OPTIMIZERS = ("adamw", "adamw-master")
-MASTER_WEIGHT_OPTIMIZERS = ("adamw-master",)
 DEFAULT_OPTIMIZER = "adamw"
 
 
@@ -62,7 +61,7 @@ def check_impl(impl: str) -> str:
 def check_optimizer(optimizer: str, precision: str) -> str:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if optimizer in MASTER_WEIGHT_OPTIMIZERS and precision != "bf16":
+    if optimizer == "adamw-master" and precision != "bf16":
         # fp16 compute weights would need a GradScaler that unscales fp16 gradients, which torch's refuses
         raise ValueError(f"optimizer {optimizer!r} holds bf16 compute weights: it needs precision 'bf16', "
                          f"got precision {precision!r}")
@@ -153,12 +152,12 @@ def lm_step(
         logits_of = model
     opt = None
     if mode == "train-step":
-        if optimizer in MASTER_WEIGHT_OPTIMIZERS:
+        if optimizer == "adamw-master":
             opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model))
         else:
             # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
             opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
-    elif optimizer in MASTER_WEIGHT_OPTIMIZERS:
+    elif optimizer == "adamw-master":
         hold_in(linear_weights(model), torch.bfloat16)
     if compile:  # after the weights took their dtype, so the compiled code is specialised to it
         compile_each(units)
