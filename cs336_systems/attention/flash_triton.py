@@ -3,6 +3,11 @@
     FlashAttentionTriton.apply(q, k, v, is_causal=False) -> o
     q: (..., Nq, d)   k, v: (..., Nk, d)   o: (..., Nq, d)   d a multiple of 8, 8 <= d <= 256
 
+Layouts: the kernels address a slice as z * stride_z + h * stride_h with a row stride, so (Z, H, N, d)
+inputs with any strides but a unit one on d are read in place (a head-major view of token-major
+(B, N, H, d) memory, as the model passes, costs no copy), and O, dQ, dK, dV come back in the layout of
+q, k, v.  Unmasked K/V tiles go through TMA descriptors only for contiguous K and V.
+
 Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv dividing Hq; query head h reads
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
@@ -61,14 +66,14 @@ def available(device: torch.device) -> bool:
 
 
 def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = False):
-    bh, n_queries, d = q.shape
-    return select(bh, n_queries, k.shape[1], d, q.dtype, is_causal, q.device, may_tune=may_tune)
+    n_queries, d = q.shape[-2:]
+    return select(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device, may_tune=may_tune)
 
 
 def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False):
     cfg = _select(q, k, is_causal, may_tune)
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
+    o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap)
     return o, lse
 
@@ -86,13 +91,13 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct):
 
 @torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (BH, Nq, d), k, v: (BH, Nk, d), unit stride on d -> (o (BH, Nq, d), L (BH, Nq) float32)."""
+    """q: (Z, H, Nq, d), k, v: (Z, H_kv, Nk, d), unit stride on d -> (o like q, L (Z, H, Nq) float32)."""
     return _forward(q, k, v, is_causal)
 
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, is_causal):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=())
@@ -100,7 +105,7 @@ def flash_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of flash_attn_fwd; all tensors (BH, N, d) with unit stride on d, lse (BH, Nq)."""
+    """Gradients of flash_attn_fwd; all tensors (Z, H, N, d) with unit stride on d, lse (Z, H, Nq)."""
     return _backward(q, k, v, o, lse, do, is_causal)
 
 
@@ -150,9 +155,14 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: obje
     return False
 
 
-def _as_3d(t: torch.Tensor) -> torch.Tensor:
-    """(..., N, d) -> (BH, N, d) with unit stride on d (a view when the layout allows)."""
-    t = t.reshape(-1, t.shape[-2], t.shape[-1])
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(..., H, N, d) -> (Z, H, N, d) with unit stride on d, a view whenever the layout allows: the kernels
+    take any Z, H and N strides, so a head-major view of a token-major (B, N, H, d) tensor, as the model
+    passes, is read in place.  (N, d) -> (1, 1, N, d); (BH, N, d) -> (1, BH, N, d)."""
+    if t.dim() < 4:
+        t = t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+    elif t.dim() > 4:
+        t = t.reshape(-1, *t.shape[-3:])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -165,12 +175,12 @@ class FlashAttentionTriton(torch.autograd.Function):
             o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
             ctx.save_for_backward(q, k, v, o, lse)
             return o
-        q3, k3, v3 = _as_3d(q), _as_3d(k), _as_3d(v)
+        q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
         if _eager(q):
-            o, lse = _forward(q3, k3, v3, is_causal, may_tune=True)
+            o, lse = _forward(q4, k4, v4, is_causal, may_tune=True)
         else:
-            o, lse = torch.ops.cs336.flash_attn_fwd(q3, k3, v3, is_causal)
-        o = o.view(q.shape)
+            o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
+        o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
         lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
         return o
@@ -180,8 +190,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if ctx.empty:  # no query saw any key: dQ is empty, dK and dV are zero
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-        args = (_as_3d(q), _as_3d(k), _as_3d(v), _as_3d(o), lse.reshape(-1, q.shape[-2]), _as_3d(grad_out),
-                ctx.is_causal)
+        q4 = _as_4d(q)
+        args = (q4, _as_4d(k), _as_4d(v), _as_4d(o), lse.reshape(q4.shape[:-1]), _as_4d(grad_out), ctx.is_causal)
         if _eager(grad_out):
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_out)):
                 # create_graph=True: the kernels' results would carry no graph, so a second derivative
@@ -193,7 +203,7 @@ class FlashAttentionTriton(torch.autograd.Function):
             dq, dk, dv = _backward(*args)
         else:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:

@@ -576,3 +576,46 @@ def test_compiled_fullgraph_traces_the_registered_ops(is_causal):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     for a, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(a, t.grad, rtol=0, atol=0)
+
+
+def _token_major(batch, heads, n, d, dtype, seed, device=DEVICE):
+    """A (B, H, N, d) head-major view of a token-major (B, N, H, d) tensor, as the model passes q, k, v."""
+    g = torch.Generator(device).manual_seed(seed)
+    return torch.randn(batch, n, heads, d, generator=g, device=device).to(dtype).transpose(1, 2).requires_grad_()
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    batch=st.sampled_from([1, 2]),
+    nq=st.integers(1, 90),
+    nk=st.integers(1, 90),
+    d=st.sampled_from([16, 40, 64]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_token_major_views_match_float64_reference_in_place(heads, batch, nq, nk, d, is_causal, dtype, seed):
+    """Strided (B, H, N, d) views (head stride d, token stride H * d), grouped-query heads too: read in place,
+    O and the gradients come back in the inputs' own layout (no copy to a contiguous (BH, N, d) on the way)."""
+    hq, hkv = heads
+    q = _token_major(batch, hq, nq, d, dtype, seed)
+    k, v = _token_major(batch, hkv, nk, d, dtype, seed + 1), _token_major(batch, hkv, nk, d, dtype, seed + 2)
+    assert_flash_accuracy(_apply, q, k, v, is_causal)
+    o = _apply(q, k, v, is_causal)
+    grad_out = torch.randn(batch, nq, hq, d, device=DEVICE, dtype=dtype).transpose(1, 2)  # token-major too
+    grads = torch.autograd.grad(o, (q, k, v), grad_out)
+    assert all(t.transpose(1, 2).is_contiguous() for t in (o, *grads))  # token-major, like the inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads, d", [(25, 25, 64), (32, 32, 80), (32, 8, 128)])
+def test_gpu_token_major_views_at_model_shapes(heads, kv_heads, d):
+    """The models' layout at context 512 (B 4): head-major views of token-major bf16 q, k, v, and a
+    token-major output gradient, against float64; O and the gradients keep the layout."""
+    q = _token_major(4, heads, 512, d, torch.bfloat16, 11, "cuda")
+    k, v = (_token_major(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (12, 13))
+    assert_flash_accuracy(_apply, q, k, v, True)
+    o = _apply(q, k, v, True)
+    grads = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert all(t.transpose(1, 2).is_contiguous() for t in (o, *grads))

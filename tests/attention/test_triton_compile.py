@@ -35,7 +35,10 @@ consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M":
 descs = ["K_DESC", "V_DESC"]
 if not tma:
     consts.update({name: None for name in descs})
-strides = ["stride_qb", "stride_qn", "stride_kb", "stride_kn", "stride_vb", "stride_vn"]
+def zhn(*tensors):
+    return [f"stride_{t}{axis}" for t in tensors for axis in "zhn"]
+
+strides = zhn("q", "k", "v")
 bf16 = "*bf16"
 
 def compile_(fn, pointers, ints, scales):
@@ -50,20 +53,19 @@ def compile_(fn, pointers, ints, scales):
             sys.exit(f"{fn.__name__}: float64 arithmetic in the {stage}")
 
 compile_(kernels.flash_fwd_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "L": "*fp32"},
-         strides + ["stride_ob", "stride_on", "n_queries", "n_keys", "group"], ["qk_scale"])
+         strides + zhn("o") + ["n_queries", "n_keys", "heads", "group"], ["qk_scale"])
 compile_(kernels.flash_bwd_dkdv_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DK": bf16, "DV": bf16},
-         strides + ["stride_dob", "stride_don", "stride_dkb", "stride_dkn", "stride_dvb", "stride_dvn",
-                    "n_queries", "n_keys", "group", "heads_per_split", "stride_dks", "stride_dvs"], ["sm_scale", "qk_scale"])
+         strides + zhn("do", "dk", "dv") + ["n_queries", "n_keys", "heads", "group", "heads_per_split", "stride_dks",
+                                            "stride_dvs"], ["sm_scale", "qk_scale"])
 compile_(kernels.flash_bwd_dq_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
-         strides + ["stride_dob", "stride_don", "stride_dqb", "stride_dqn", "stride_ob", "stride_on", "n_queries",
-                    "n_keys", "group"],
+         strides + zhn("do", "dq", "o") + ["n_queries", "n_keys", "heads", "group"],
          ["sm_scale", "qk_scale"])
 compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
-         strides + ["n_queries", "n_keys", "group"], ["qk_scale"])
+         strides + ["n_queries", "n_keys", "heads", "group"], ["qk_scale"])
 compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
-         ["stride_ob", "stride_on", "n_queries"], [])
+         zhn("o") + ["n_queries", "heads"], [])
 print("compiled")
 """
 

@@ -119,8 +119,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
 @triton.jit
 def flash_fwd_kernel(
     Q, K, V, O, L, K_DESC, V_DESC,
-    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_ob, stride_on,
-    n_queries, n_keys, group, qk_scale: tl.constexpr,
+    stride_qz, stride_qh, stride_qn, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_on,
+    n_queries, n_keys, heads, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
@@ -134,16 +135,18 @@ def flash_fwd_kernel(
     if CAUSAL and LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    kv = bh // group
+    bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h
+    z = bh // heads
+    h = bh % heads
+    kv = bh // group  # its K/V slice, z * (heads // group) + h // group: the descriptors' row block
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
-    k_base = K + kv * stride_kb
-    v_base = V + kv * stride_vb
+    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    k_base = K + z * stride_kz + (h // group) * stride_kh
+    v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
@@ -163,7 +166,8 @@ def flash_fwd_kernel(
                               full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
 
     o = acc / l_i[:, None]
-    _store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), q_rows, d_row,
+    _store(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
+           q_rows, d_row,
            HEAD_DIM, BLOCK_D)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
@@ -172,8 +176,8 @@ def flash_fwd_kernel(
 @triton.jit
 def flash_fwd_split_kernel(
     Q, K, V, O_PART, L_PART, K_DESC, V_DESC,
-    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn,
-    n_queries, n_keys, group, qk_scale: tl.constexpr,
+    stride_qz, stride_qh, stride_qn, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    n_queries, n_keys, heads, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -190,8 +194,10 @@ def flash_fwd_split_kernel(
     weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
     """
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    kv = bh // group
+    bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h
+    z = bh // heads
+    h = bh % heads
+    kv = bh // group  # its K/V slice, z * (heads // group) + h // group: the descriptors' row block
     split = tl.program_id(2)
     n_bh = tl.num_programs(1)
     start_m = pid_m * BLOCK_M
@@ -200,9 +206,9 @@ def flash_fwd_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
-    k_base = K + kv * stride_kb
-    v_base = V + kv * stride_vb
+    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    k_base = K + z * stride_kz + (h // group) * stride_kh
+    v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
@@ -235,7 +241,7 @@ def flash_fwd_split_kernel(
 
 @triton.jit
 def flash_fwd_combine_kernel(
-    O_PART, L_PART, O, L, stride_ob, stride_on, n_queries,
+    O_PART, L_PART, O, L, stride_oz, stride_oh, stride_on, n_queries, heads,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH): O = sum_s w_s O_s, w_s = 2^(L_s - L), L = log2 sum_s 2^L_s (then in
@@ -244,6 +250,8 @@ def flash_fwd_combine_kernel(
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n_bh = tl.num_programs(1)
+    z = bh // heads
+    h = bh % heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < n_queries
@@ -263,7 +271,8 @@ def flash_fwd_combine_kernel(
         total += w
     total = tl.where(total > 0.0, total, 1.0)
     o = acc / total[:, None]
-    _store(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty), rows[:, None],
+    _store(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
+           rows[:, None],
            d_row, HEAD_DIM, BLOCK_D)
     tl.store(L + bh * n_queries + offs_m, (m + tl.math.log2(total)) * 0.6931471805599453, mask=rows)
 
@@ -306,9 +315,9 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
 @triton.jit
 def flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, Dvec, DK, DV,
-    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
-    stride_dkb, stride_dkn, stride_dvb, stride_dvn,
-    n_queries, n_keys, group, heads_per_split, stride_dks, stride_dvs,
+    stride_qz, stride_qh, stride_qn, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    stride_doz, stride_doh, stride_don, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    n_queries, n_keys, heads, group, heads_per_split, stride_dks, stride_dvs,
     sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -325,15 +334,18 @@ def flash_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     pid = tl.program_id(1).to(tl.int64)
     splits = group // heads_per_split
-    kv = pid // splits
+    kv = pid // splits  # the K/V slice z * heads_kv + kvh
     split = pid % splits
+    heads_kv = heads // group
+    z = kv // heads_kv
+    kvh = kv % heads_kv
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     cols = offs_n[:, None] < n_keys
     d_row = offs_d[None, :] < HEAD_DIM
-    k = _load(K + kv * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
-    v = _load(V + kv * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    k = _load(K + z * stride_kz + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    v = _load(V + z * stride_vz + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -346,10 +358,11 @@ def flash_bwd_dkdv_kernel(
         lo = 0
         band_end = 0
     full_end = tl.maximum(band_end, n_queries // BLOCK_M * BLOCK_M)
-    for h in range(heads_per_split):
-        bh = kv * group + split * heads_per_split + h  # the query head
-        q_base = Q + bh * stride_qb
-        do_base = DO + bh * stride_dob
+    for i in range(heads_per_split):
+        h = kvh * group + split * heads_per_split + i  # the query head
+        bh = z * heads + h  # its (batch, head) slice, the row block of L and D
+        q_base = Q + z * stride_qz + h * stride_qh
+        do_base = DO + z * stride_doz + h * stride_doh
         l_base = L + bh * n_queries
         d_base = Dvec + bh * n_queries
         if CAUSAL:
@@ -369,9 +382,9 @@ def flash_bwd_dkdv_kernel(
                             stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
                             PRECISION, HEAD_DIM, BLOCK_D)
 
-    _store(DK + split * stride_dks + kv * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    _store(DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
            (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
-    _store(DV + split * stride_dvs + kv * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :],
+    _store(DV + split * stride_dvs + z * stride_dvz + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
            dv.to(DV.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
 
 
@@ -412,9 +425,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_
 @triton.jit
 def flash_bwd_dq_kernel(
     Q, K, V, DO, L, Dvec, DQ, O, K_DESC, V_DESC,
-    stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
-    stride_dqb, stride_dqn, stride_ob, stride_on,
-    n_queries, n_keys, group, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
+    stride_qz, stride_qh, stride_qn, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    stride_doz, stride_doh, stride_don, stride_dqz, stride_dqh, stride_dqn, stride_oz, stride_oh, stride_on,
+    n_queries, n_keys, heads, group, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
 ):
@@ -429,25 +442,27 @@ def flash_bwd_dq_kernel(
     if CAUSAL and LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    kv = bh // group
+    bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h
+    z = bh // heads
+    h = bh % heads
+    kv = bh // group  # its K/V slice, z * (heads // group) + h // group: the descriptors' row block
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + bh * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], rows[:, None], d_row, True,
+    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], rows[:, None], d_row, True,
               HEAD_DIM, BLOCK_D)
-    do = _load(DO + bh * stride_dob + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, True,
+    do = _load(DO + z * stride_doz + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, True,
                HEAD_DIM, BLOCK_D)
     lse2 = tl.load(L + bh * n_queries + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-    o = _load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], rows[:, None], d_row, True,
+    o = _load(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], rows[:, None], d_row, True,
               HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Dvec + bh * n_queries + offs_m, delta, mask=rows)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_base = K + kv * stride_kb
-    v_base = V + kv * stride_vb
+    k_base = K + z * stride_kz + (h // group) * stride_kh
+    v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)
 
     if CAUSAL:
@@ -460,5 +475,5 @@ def flash_bwd_dq_kernel(
                   stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
     dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
                   stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
-    _store(DQ + bh * stride_dqb + offs_m[:, None] * stride_dqn + offs_d[None, :],
+    _store(DQ + z * stride_dqz + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
            (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], d_row, HEAD_DIM, BLOCK_D)

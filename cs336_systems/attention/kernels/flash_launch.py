@@ -1,7 +1,9 @@
 """Launchers of the FlashAttention-2 Triton kernels, one per kernel, with an explicit tile configuration.
 
-Every tensor is (BH, N, d) with unit stride on d; L and D are (BH, Nq) float32.  Grouped-query attention:
-K and V (and dK, dV) may have BH / group slices, group = BH // BH_kv query heads per K/V head.  `wrap` is
+Every tensor is (Z, H, N, d) with any strides on Z, H and N and unit stride on d (the kernels index a slice
+as z * stride_z + h * stride_h, so a head-major view of a token-major (Z, N, H, d) tensor runs without a
+copy), or (BH, N, d), taken as Z = 1; L and D are (Z * H, Nq) float32, contiguous.  Grouped-query
+attention: K and V (and dK, dV) may have H / group heads, group = H // H_kv query heads per K/V head.  `wrap` is
 applied to each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
 
 On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
@@ -29,6 +31,21 @@ from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, f
 LOG2E = 1.4426950408889634
 
 
+def as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(Z, H, N, d) as is, (BH, N, d) as a (1, BH, N, d) view."""
+    return t if t.dim() == 4 else t.unsqueeze(0)
+
+
+def slices(t: torch.Tensor) -> int:
+    """How many (N, d) slices: the product of the leading dims (BH)."""
+    return math.prod(t.shape[:-2])
+
+
+def zhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The (Z, H, N) strides of `as_4d(t)`, the kernels' slice and row addressing."""
+    return as_4d(t).stride()[:3]
+
+
 def direct(kernel):
     """Launch the kernel as is (no tracing wrapper)."""
     return kernel
@@ -46,8 +63,9 @@ TMA_ENV = "CS336_FLASH_TMA"
 def use_tma(t: torch.Tensor) -> bool:
     """Whether the forward and dQ kernels load `t`'s (K or V) unmasked tiles through a tensor descriptor.
 
-    Yes on sm_90+ GPUs and under the interpreter (so the CPU tests run that path), when `t` (BH, N, d) is
-    contiguous (the descriptor covers its BH * N rows of d), 16-byte aligned (a TMA requirement) and its
+    Yes on sm_90+ GPUs and under the interpreter (so the CPU tests run that path), when `t` (Z, H, N, d) or
+    (BH, N, d) is contiguous (the descriptor covers its BH * N rows of d; a strided view takes the pointer
+    loads), 16-byte aligned (a TMA requirement) and its
     row count fits the descriptor's int32 coordinates; otherwise the pointer loads.
     ``CS336_FLASH_TMA=0`` forces pointer loads everywhere (for same-run A/B measurements).
     """
@@ -61,7 +79,7 @@ def use_tma(t: torch.Tensor) -> bool:
             return False
     elif os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
-    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[0] * t.shape[1] < 2**31
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() // t.shape[-1] < 2**31
 
 
 @functools.cache
@@ -81,10 +99,11 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
         raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
     if not tma:
         return 0, None, None
-    bh, n, d = k.shape
+    n, d = k.shape[-2:]
+    rows = slices(k) * n
     # A (BLOCK_N, block_d(d)) box: past column d the TMA engine fills zeros, like the masked pointer loads.
     box = [cfg.block_n, block_d(d)]
-    k_desc, v_desc = (TensorDescriptor(t.view(bh * n, d), [bh * n, d], [d, 1], box) for t in (k, v))
+    k_desc, v_desc = (TensorDescriptor(t.view(rows, d), [rows, d], [d, 1], box) for t in (k, v))
     return (1 if n % cfg.block_n else int(tma)), k_desc, v_desc
 
 
@@ -119,8 +138,7 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
         return value
     if q.device.type != "cuda":
         return 1
-    bh, n_queries, _ = q.shape
-    programs = triton.cdiv(n_queries, cfg.block_m) * bh
+    programs = triton.cdiv(q.shape[-2], cfg.block_m) * slices(q)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if 2 * programs > sms:
         return 1
@@ -129,17 +147,17 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
 
 
 def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Query heads per K/V head: BH // BH_kv (ValueError unless BH_kv divides BH)."""
-    if not k.shape[0] or q.shape[0] % k.shape[0]:
-        raise ValueError(f"K/V slices must divide the query slices (grouped-query attention); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    return q.shape[0] // k.shape[0]
+    """Query heads per K/V head: H // H_kv, dim -3 (ValueError unless H_kv divides H and the batch dims match)."""
+    if len(q.shape) != len(k.shape) or q.shape[:-3] != k.shape[:-3] or not k.shape[-3] or q.shape[-3] % k.shape[-3]:
+        raise ValueError(f"K/V heads (dim -3) must divide the query heads and the other leading dims match "
+                         f"(grouped-query attention); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return q.shape[-3] // k.shape[-3]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
             tma: int | None = None) -> None:
-    """o (BH, Nq, d) and lse (BH, Nq) written in place; k, v (BH_kv, Nk, d).
+    """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
     partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
@@ -148,9 +166,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
     `_kv_descriptors`).
     """
-    bh, n_queries, d = q.shape
+    q, k, v, o = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
+    n_queries, d = q.shape[-2:]
+    heads, bh = q.shape[1], slices(q)
     group = group_size(q, k)
-    splits = key_splits(q, k.shape[1], cfg) if splits is None else splits
+    splits = key_splits(q, k.shape[-2], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
@@ -158,23 +178,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
         wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
-            q, k, v, o_part, l_part, k_desc, v_desc,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            n_queries, k.shape[1], group, qk_scale=LOG2E / math.sqrt(d),
+            q, k, v, o_part, l_part, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
+            n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, BLOCK_D=block_d(d),
             **cfg.launch_kwargs(),
         )
         combine_rows = 64 if d <= 64 else (32 if d <= 128 else 16)  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
-            o_part, l_part, o, lse, o.stride(0), o.stride(1), n_queries,
+            o_part, l_part, o, lse, *zhn_strides(o), n_queries, heads,
             HEAD_DIM=d, BLOCK_M=combine_rows, SPLITS=splits, BLOCK_D=block_d(d), num_warps=4,
         )
         return
     grid = (triton.cdiv(n_queries, cfg.block_m), bh)
     wrap(kernels.flash_fwd_kernel)[grid](
-        q, k, v, o, lse, k_desc, v_desc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        n_queries, k.shape[1], group, qk_scale=LOG2E / math.sqrt(d),
+        q, k, v, o, lse, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v), *zhn_strides(o),
+        n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
         LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
@@ -200,7 +218,7 @@ def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
         return int(forced)
     if group == 1 or q.device.type != "cuda":
         return 1
-    programs = triton.cdiv(k.shape[1], cfg.block_n) * k.shape[0]
+    programs = triton.cdiv(k.shape[-2], cfg.block_n) * slices(k)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     for splits in range(1, group + 1):
         if group % splits == 0 and programs * splits >= 2 * sms:
@@ -210,13 +228,14 @@ def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct,
          splits: int | None = None) -> None:
-    """dk, dv (BH_kv, Nk, d) written in place: each the sum over the K/V head's `group` query heads.
+    """dk, dv (Z, H_kv, Nk, d) written in place: each the sum over the K/V head's `group` query heads.
 
     ``splits`` (None: `group_splits`): programs per K/V tile, each summing group / splits query heads; above
-    1 they write float32 partials to a (splits, BH_kv, Nk, d) workspace, summed here into dk and dv.
+    1 they write float32 partials to a (splits, Z, H_kv, Nk, d) workspace, summed here into dk and dv.
     """
-    bh, n_queries, d = q.shape
-    n_keys = k.shape[1]
+    q, k, v, do, dk, dv = (as_4d(t) for t in (q, k, v, do, dk, dv))
+    n_queries, d = q.shape[-2:]
+    n_keys = k.shape[-2]
     group = group_size(q, k)
     splits = group_splits(q, k, cfg) if splits is None else splits
     if splits < 1 or group % splits:
@@ -229,11 +248,10 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
     else:
         dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
-    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), k.shape[0] * splits)](
-        q, k, v, do, lse, delta, dk_out, dv_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk_rows.stride(0), dk_rows.stride(1), dv_rows.stride(0), dv_rows.stride(1),
-        n_queries, n_keys, group, group // splits, *split_strides, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
+        q, k, v, do, lse, delta, dk_out, dv_out, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
+        *zhn_strides(do), *zhn_strides(dk_rows), *zhn_strides(dv_rows),
+        n_queries, n_keys, q.shape[1], group, group // splits, *split_strides, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=block_d(d), **cfg.launch_kwargs(),
     )
     if splits > 1:
@@ -243,17 +261,18 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
 
 def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Callable = direct,
        longest_first: bool = True, *, o: torch.Tensor, tma: int | None = None) -> None:
-    """dq_out (BH, Nq, d) and delta (BH, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
-    kernel reads: launch this one first).  ``tma`` as in `forward`."""
-    bh, n_queries, d = q.shape
+    """dq_out (Z, H, Nq, d) and delta (Z * H, Nq) = rowsum(o * do) written in place (delta is what the dK/dV
+    kernel reads: launch this one first); or all (BH, N, d).  ``tma`` as in `forward`."""
+    q, k, v, do, dq_out, o = (as_4d(t) for t in (q, k, v, do, dq_out, o))
+    n_queries, d = q.shape[-2:]
+    bh = slices(q)
     group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
-        q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq_out.stride(0), dq_out.stride(1), o.stride(0), o.stride(1),
-        n_queries, k.shape[1], group, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
+        q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
+        *zhn_strides(do), *zhn_strides(dq_out), *zhn_strides(o),
+        n_queries, k.shape[-2], q.shape[1], group, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
         LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
