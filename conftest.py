@@ -11,6 +11,9 @@ Options
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
   --compare-any-machine         allow --benchmark-compare across GPUs / versions (warning only)
+  --cool-down-s=S               before each GPU perf case wait up to S seconds (default 30; 0: never)
+                                for the GPU to cool to its first case's temperature + 3 deg C
+                                (`cs336_systems.bench.gpu_telemetry`; needs pynvml)
 
 pytest-benchmark integration
   machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton), and
@@ -42,7 +45,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cs336_systems.bench import machine
-from cs336_systems.cli_args import positive_float
+from cs336_systems.cli_args import non_negative_float, positive_float
 from cs336_systems.bench.matrix import PROFILES
 from cs336_systems.reporting import baseline
 
@@ -61,6 +64,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
     group.addoption("--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s for MFU")
+    group.addoption(
+        "--cool-down-s", type=non_negative_float, default=30.0,
+        help="before each GPU perf case, wait up to this many seconds for the GPU to cool back to its "
+             "temperature at the first case + 3 deg C (needs pynvml; 0: never wait)",
+    )
     group.addoption(
         "--compare-any-machine", action="store_true",
         help="allow --benchmark-compare against a run from another GPU or software version (warn only)",

@@ -25,6 +25,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse ``type`` for finite numbers >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse ``type`` for positive finite numbers."""
     try:

@@ -16,6 +16,11 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
   do_bench's convention: device time, host overhead hidden behind queued work) instead of the default
   host-synchronized clock; its cases' ids end in ``devicetime``; ``"timings": ["graph"]`` times replays
   of the step captured in a CUDA graph (ids end in ``graphtime``);
+* on a GPU with NVML (``pynvml``): first waits (``--cool-down-s``, at most 30 s by default) until the GPU
+  is back within 3 deg C of its temperature at the session's first case, so a case does not start hot
+  from the one before (a hot H100 reaches its power cap sooner and lowers its clock), and samples the SM
+  clock, power and temperature during the measured rounds (`cs336_systems.bench.gpu_telemetry`): the
+  ``gpu_*`` and ``cooldown_*`` fields of ``extra_info``;
 * turns an OOM into a skip whose reason says OOM, and lists it under ``"oom"`` in the saved JSON,
   so reports show OOM cells and comparisons never treat a missing time as a speed-up.
 
@@ -49,6 +54,7 @@ import torch
 
 from cs336_systems.bench import harness as benchmarking
 from cs336_systems.bench import flops
+from cs336_systems.bench import gpu_telemetry
 from cs336_systems.reporting import gates
 from cs336_systems.bench import machine
 from cs336_systems.bench import matrix
@@ -197,6 +203,25 @@ def _peak_for(precision: str, peak_override: float | None) -> float | None:
     return machine.peak_tflops(torch.cuda.get_device_name(0), precision)
 
 
+COOL_DOWN_MARGIN_C = 3.0
+START_TEMPERATURE_KEY = pytest.StashKey[float]()
+
+
+def _cool_down(config: pytest.Config, device: torch.device) -> dict:
+    """Wait for the GPU to cool to the session's first-case temperature + COOL_DOWN_MARGIN_C (at most
+    --cool-down-s seconds); the record of the wait, {} on CPU or without NVML."""
+    if START_TEMPERATURE_KEY not in config.stash:
+        start = gpu_telemetry.temperature_c(device)
+        if start is None:
+            return {}
+        config.stash[START_TEMPERATURE_KEY] = float(start)
+    max_wait_s = config.getoption("--cool-down-s")
+    if not max_wait_s:
+        return {}
+    target = config.stash[START_TEMPERATURE_KEY] + COOL_DOWN_MARGIN_C
+    return {"cooldown_target_c": target, **(gpu_telemetry.cool_down(device, target, max_wait_s) or {})}
+
+
 @pytest.fixture
 def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
     """``bench(setup, *, case, flops_per_step=None, tokens=None, extra_info=None) -> Measurement``.
@@ -210,11 +235,14 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         benchmark.group = benchmark_group(case)
         benchmark.extra_info.update(case)
         benchmark.extra_info["device"] = str(perf_device)
+        benchmark.extra_info.update(_cool_down(request.config, perf_device))
+        telemetry = gpu_telemetry.Telemetry(perf_device)
         result = benchmarking.run_pytest_benchmark(
             benchmark, setup, warmup=case["warmup"], rounds=case["rounds"], device=perf_device,
             before_each=benchmarking.L2Flush(perf_device) if case.get("flush_l2") else None,
-            timing=case.get("timing", "host"),
+            timing=case.get("timing", "host"), monitor=telemetry,
         )
+        benchmark.extra_info.update(telemetry.summary())
         benchmark.extra_info["status"] = result.status
         benchmark.extra_info.update(extra_info or {})
         if not result.ok:

@@ -400,12 +400,15 @@ def measure(
     clock: SynchronizedClock | None = None,
     before_each: Hook | None = None,
     timing: str = "host",
+    monitor: contextlib.AbstractContextManager | None = None,
 ) -> Measurement:
     """Build the step with ``setup()``, run ``warmup`` uncounted rounds, then time ``rounds`` rounds.
 
     ``before_each`` (and the step's own ``before_each``, if any) runs before every round, untimed.
     ``timing``: "host" (synchronizing clock), "device" (CUDA events, do_bench-style) or "graph" (CUDA
     events around replays of the step captured in a CUDA graph); module docstring.
+    ``monitor``: a context manager entered around the measured rounds only (after setup and warm-up),
+    e.g. `gpu_telemetry.Telemetry` sampling the clocks while they run.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -415,12 +418,13 @@ def measure(
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each, timing)
-            if timing == "device":
-                times = device_timed_rounds(step, hook, rounds, device)
-            elif timing == "graph":
-                times = graph_timed_rounds(step, hook, rounds, device)
-            else:
-                times = _host_timed_rounds(step, hook, rounds, clock)
+            with monitor or contextlib.nullcontext():
+                if timing == "device":
+                    times = device_timed_rounds(step, hook, rounds, device)
+                elif timing == "graph":
+                    times = graph_timed_rounds(step, hook, rounds, device)
+                else:
+                    times = _host_timed_rounds(step, hook, rounds, clock)
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
@@ -441,8 +445,11 @@ def run_pytest_benchmark(
     clock: SynchronizedClock | None = None,
     before_each: Hook | None = None,
     timing: str = "host",
+    monitor: contextlib.AbstractContextManager | None = None,
 ) -> Measurement:
     """Time a step with pytest-benchmark's ``benchmark`` fixture, under this harness's rules.
+
+    ``monitor`` as in `measure`: entered around the measured rounds only.
 
     timing="device" or "graph" (CUDA events, see the module docstring) times the rounds with `measure` and
     hands the durations to pytest-benchmark through `record_measured_times`; the rest of this docstring
@@ -462,7 +469,7 @@ def run_pytest_benchmark(
     _check_timing(timing, device)
     if timing in ("device", "graph"):
         result = measure(setup, warmup=warmup, rounds=rounds, device=device, clock=clock,
-                         before_each=before_each, timing=timing)
+                         before_each=before_each, timing=timing, monitor=monitor)
         if result.ok:
             record_measured_times(benchmark, result.times_s)
         return result
@@ -472,9 +479,10 @@ def run_pytest_benchmark(
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
             benchmark._timer = clock
-            benchmark.pedantic(
-                lambda: _guard_oom(step), setup=hook, rounds=rounds, iterations=1, warmup_rounds=0
-            )
+            with monitor or contextlib.nullcontext():
+                benchmark.pedantic(
+                    lambda: _guard_oom(step), setup=hook, rounds=rounds, iterations=1, warmup_rounds=0
+                )
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
