@@ -233,13 +233,14 @@ def gpu_clock_table(entries: list[dict]) -> str:
         return ""
     rows = []
     for e in sorted(lm, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
-                                       else len(MODE_ORDER), bool(e.get("compile")), impl_of(e), optimizer_of(e))):
+                                       else len(MODE_ORDER), bool(e.get("compile")), impl_of(e),
+                                       str(e.get("attention")), optimizer_of(e))):
         reasons = ", ".join(e.get("gpu_slowdown_reasons") or []) or "-"
         rows.append([str(e.get("size")), str(e.get("mode")), compile_label(e.get("compile")), impl_of(e),
-                     optimizer_of(e), fmt(stat_ms(e), ".2f"), f"{e['gpu_sm_clock_mhz_median']:.0f} / {e['gpu_sm_clock_mhz_min']:.0f}",
+                     str(e.get("attention")), optimizer_of(e), fmt(stat_ms(e), ".2f"), f"{e['gpu_sm_clock_mhz_median']:.0f} / {e['gpu_sm_clock_mhz_min']:.0f}",
                      f"{e['gpu_power_w_median']:.0f} / {e['gpu_power_w_max']:.0f}",
                      f"{e['gpu_temperature_c_start']} / {e['gpu_temperature_c_max']}",
                      f"{100 * e['gpu_slowdown_fraction']:.0f}% ({reasons})", fmt(e.get("cooldown_s"), ".1f")])
-    header = ["size", "mode", "compile", "impl", "optimizer", "median ms", "SM MHz median / min",
+    header = ["size", "mode", "compile", "impl", "attention", "optimizer", "median ms", "SM MHz median / min",
               "power W median / max", "temp C start / max", "slowed samples", "cool-down s"]
     return "### GPU clocks during the measured rounds (end-to-end)\n\n" + md_table(header, rows)
