@@ -70,21 +70,21 @@ def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = 
     return select(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device, may_tune=may_tune)
 
 
-def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False):
+def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None):
     cfg = _select(q, k, is_causal, may_tune)
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-    launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap)
+    launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap, tma=tma)
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct):
+def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None):
     cfg = _select(q, k, is_causal)
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
-    launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o)
+    launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
     launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
     return dq, dk, dv
 
@@ -112,6 +112,48 @@ def flash_attn_bwd(
 @flash_attn_bwd.register_fake
 def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# The same two operators for problems whose tile configurations stream K and V with pointer loads (no TMA
+# descriptor): `triton_op`s launching through `wrap_triton`, which inductor traces into its own graph and
+# launches with its generated launcher, as it launches its own kernels: no custom-op dispatch and no Triton
+# JIT argument binding per call at run time (the host cost that dominates short sequences, e.g. the
+# models at context 512).  Shapes, strides and configurations are fixed when the graph is traced.
+@torch.library.triton_op("cs336::flash_attn_fwd_inductor", mutates_args=())
+def flash_attn_fwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_fwd with pointer loads (tma=0), launched by inductor."""
+    return _forward(q, k, v, is_causal, wrap=torch.library.wrap_triton, tma=0)
+
+
+@torch.library.triton_op("cs336::flash_attn_bwd_inductor", mutates_args=())
+def flash_attn_bwd_inductor(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash_attn_bwd with pointer loads (tma=0), launched by inductor."""
+    return _backward(q, k, v, o, lse, do, is_causal, wrap=torch.library.wrap_triton, tma=0)
+
+
+@torch.compiler.assume_constant_result
+def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype, causal: bool,
+                    device: torch.device) -> bool:
+    """Whether the forward's or dQ's tile configuration for this shape streams K/V through TMA descriptors
+    (then the traced path keeps the custom ops, which can pass descriptors).  A constant to dynamo: it
+    depends only on the static shape and the configuration tables."""
+    cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
+    return bool(cfg["fwd"].tma or cfg["dq"].tma)
+
+
+def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
+    `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
+    strided views that descriptors cannot cover)."""
+    if KERNELS_INTERPRETED:
+        return False
+    n_queries, d = q.shape[-2:]
+    wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
+    return not (wants_tma and k.is_contiguous() and v.is_contiguous())
 
 
 def _eager(t: torch.Tensor) -> bool:
@@ -176,8 +218,12 @@ class FlashAttentionTriton(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, o, lse)
             return o
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+        ctx.inductor = False
         if _eager(q):
             o, lse = _forward(q4, k4, v4, is_causal, may_tune=True)
+        elif _inductor_path(q4, k4, v4, is_causal):
+            ctx.inductor = True
+            o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal)
         else:
             o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
         o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
@@ -201,6 +247,8 @@ class FlashAttentionTriton(torch.autograd.Function):
                     "and its gradients would not be differentiable; use the 'naive' attention for "
                     "higher-order gradients")
             dq, dk, dv = _backward(*args)
+        elif ctx.inductor:
+            dq, dk, dv = torch.ops.cs336.flash_attn_bwd_inductor(*args)
         else:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None

@@ -619,3 +619,45 @@ def test_gpu_token_major_views_at_model_shapes(heads, kv_heads, d):
     o = _apply(q, k, v, True)
     grads = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
     assert all(t.transpose(1, 2).is_contiguous() for t in (o, *grads))
+
+
+def test_traced_calls_take_the_inductor_ops_unless_descriptors_are_wanted(monkeypatch):
+    """Under tracing, the triton_ops (inductor launches the kernels) serve every problem whose configuration
+    loads K/V with pointers or whose K/V are strided views; the custom ops keep the TMA-configured ones."""
+    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
+    wants = {"tma": True}
+    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: wants["tma"])
+    contiguous = torch.empty(1, 2, 64, 32)
+    strided = torch.empty(1, 64, 2, 32).transpose(1, 2)
+    assert not flash_triton._inductor_path(contiguous, contiguous, contiguous, True)
+    assert flash_triton._inductor_path(strided, strided, strided, True)
+    wants["tma"] = False
+    assert flash_triton._inductor_path(contiguous, contiguous, contiguous, True)
+    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", True)  # wrap_triton cannot take interpreted kernels
+    assert not flash_triton._inductor_path(strided, strided, strided, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads, d", [(25, 25, 64), (32, 32, 80), (8, 2, 64)])
+def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d):
+    """torch.compile(fullgraph=True) with inductor on the models' layout: the triton_ops are traced into the
+    graph (no custom-op call left), and forward and gradients equal the eager kernels'."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q = _token_major(4, heads, 512, d, torch.bfloat16, 21, "cuda")
+    k, v = (_token_major(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (22, 23))
+    grad_out = torch.randn(4, 512, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    def step(q, k, v):
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        return (o, *torch.autograd.grad(o, (q, k, v), grad_out))
+
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    (o,), code = run_and_get_code(lambda: (compiled(q, k, v, True),))
+    code = "".join(code)
+    assert "flash_fwd" in code and "torch.ops.cs336" not in code  # inductor launches the kernel itself
+    grads = torch.autograd.grad(o, (q, k, v), grad_out)
+    expected = step(q, k, v)
+    for a, b in zip((o, *grads), expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
