@@ -32,7 +32,7 @@ def _run_lm_case(case, bench, device):
             size=case["size"], context=case["context"], batch_size=case["batch_size"],
             mode=case["mode"], precision=case["precision"], compile=case["compile"],
             attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device, impl=impl,
-            optimizer=case.get("optimizer", workloads.DEFAULT_OPTIMIZER),
+            optimizer=case.get("optimizer", workloads.DEFAULT_OPTIMIZER), cuda_graphs=case.get("cuda_graphs", False),
         ),
         case=case,
         flops_per_step=flops.lm_flops(cfg, case["batch_size"], case["context"], case["mode"]),

@@ -138,6 +138,7 @@ PERF_SESSION_IMPORTS = (
     "torch._dynamo",  # the attention workloads reset it (and it imports much of torch and numpy)
     "torch.utils.serialization",  # torch.save / torch.load import it on first use (spawn's results)
     "cs336_systems.attention",
+    "cs336_systems.bench.gpu_telemetry",
     "cs336_systems.bench.harness",
     "cs336_systems.bench.machine",
     "cs336_systems.bench.matrix",

@@ -156,8 +156,10 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # LlamaForCausalLM), so that both are timed in one run; and the optimizer of the train step ("adamw": torch's
 # fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
 # cs336_systems.optim.AdamWMaster, bf16 precision only).
+# "cuda_graphs": the compiled units replayed as CUDA graphs (compile true only; ids gain "cudagraphs").
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
-             "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER])}
+             "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER]),
+             "cuda_graphs": Key(_boolean, axis=True, required=False, default=[False])}
 
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
 _CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
@@ -264,6 +266,7 @@ _SINGULAR = {
     "modes": "mode",
     "precisions": "precision",
     "compile": "compile",
+    "cuda_graphs": "cuda_graphs",
     "attention": "attention",
     "warmup": "warmup",
     "impls": "impl",
@@ -292,7 +295,7 @@ _SINGULAR = {
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
+    ("causal", None), ("compile", None), ("cuda_graphs", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
@@ -315,6 +318,9 @@ def case_id(case: dict) -> str:
                 parts.append("l2flush")
         elif key == "impl" and "size" in case and case[key] == LM_DEFAULT_IMPL:
             continue  # our own LM (an LM case has a size; an attention case's impl is always shown)
+        elif key == "cuda_graphs":
+            if case[key]:  # without CUDA graphs: the ids saved before the axis
+                parts.append("cudagraphs")
         elif key == "optimizer" and case[key] == LM_DEFAULT_OPTIMIZER:
             continue  # the ids saved before the optimizer axis
         elif key == "timing":
@@ -404,6 +410,13 @@ def _master_weights_need_bf16(grid: dict, where: str) -> None:
                           f"crosses them with precisions {other}")
 
 
+def _cuda_graphs_need_compile(grid: dict, where: str) -> None:
+    if True in grid.get("cuda_graphs", ()) and False in grid.get("compile", ()):
+        # inductor records the compiled units (cs336_systems.bench.workloads.lm.check_cuda_graphs)
+        raise MatrixError(f"{where}: cuda_graphs [true] needs compile [true] only, but the grid also crosses it "
+                          "with compile false; put the eager cases in a grid of their own")
+
+
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -416,7 +429,7 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
-               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16)
+               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16, _cuda_graphs_need_compile)
 
 
 def case_fields(suite: str) -> set[str]:

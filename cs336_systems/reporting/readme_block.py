@@ -64,7 +64,7 @@ def headline_table(entries: list[dict], machines: list[dict]) -> str:
     by_run = machines_by_run(machines)
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and optimizer_of(e) == DEFAULT_OPTIMIZER
           and all(e.get(k) == v for k, v in HEADLINE_CASE.items())]
-    cells = {(impl_of(e), e.get("mode"), bool(e.get("compile"))): e for e in lm}
+    cells = {(impl_of(e), e.get("mode"), bool(e.get("compile"))): e for e in lm if not e.get("cuda_graphs")}
     with_hf = any(impl == HF for impl, _, _ in cells)
     rows = []
     for mode in [m for m in MODE_ORDER if any(e.get("mode") == m for e in lm)]:

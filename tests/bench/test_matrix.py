@@ -51,8 +51,8 @@ def test_cases_are_the_product_without_duplicates():
     cases = matrix.parse(data).cases("end_to_end", "cpu")
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
-                        "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "warmup": 1, "rounds": 2,
-                        "group": "default"}
+                        "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "cuda_graphs": False,
+                        "warmup": 1, "rounds": 2, "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
 
@@ -87,6 +87,10 @@ def _grid(data):
          r"gpu\[1\]: optimizers \['adamw-master'\] need precision 'bf16' only, but the grid also crosses them "
          r"with precisions \['fp32'\]"),
         (lambda d: _grid(d).update(optimizers=["lion"]), r"optimizers\[0\]: unknown value 'lion'"),
+        (lambda d: _grid(d).update(cuda_graphs=[True], compile=[False, True]),
+         r"gpu\[1\]: cuda_graphs \[true\] needs compile \[true\] only, but the grid also crosses it with compile "
+         r"false"),
+        (lambda d: _grid(d).update(cuda_graphs=["yes"]), r"cuda_graphs\[0\]: expected true or false"),
         (lambda d: _grid(d).update(warmup=-1), r"gpu\[1\]\.warmup: expected an integer >= 0"),
         (lambda d: _grid(d).update(rounds=True), r"gpu\[1\]\.rounds: expected a positive integer, got True"),
         (lambda d: _grid(d).pop("rounds"), r"gpu\[1\]: missing required key 'rounds'"),
@@ -439,7 +443,12 @@ def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_
                 for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
                 for size in ("xl", "2.7B") for mode in ("forward", "train-step")
                 for compiled in ("eager", "compiled")}
+    # small, launch-bound, also with the compiled blocks replayed as CUDA graphs
+    expected |= {f"{prefix}small-ctx512-b4-{mode}-bf16-{compiled}-sdpa{suffix}-w5"
+                 for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
+                 for mode in ("forward", "train-step") for compiled in ("eager", "compiled", "compiled-cudagraphs")}
     assert ids == expected
+    assert all(c["cuda_graphs"] == ("cudagraphs" in matrix.case_id(c)) for c in cases)
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}
 
 

@@ -286,7 +286,7 @@ def test_own_vs_hf_gates_judge_each_size_eager_and_compiled_against_the_same_mod
     own_ms = {("xl", False): 85.0, ("xl", True): 95.0, ("2.7B", False): 91.0, ("2.7B", True): 80.0}
 
     def timed(case):
-        ms = 100.0 if case["impl"] == "hf-llama" else own_ms[(case["size"], case["compile"])]
+        ms = 100.0 if case["impl"] == "hf-llama" else own_ms.get((case["size"], case["compile"]), 50.0)  # small: no gate
         return {**case, "stats": {"median": ms / 1e3, "mean": ms / 1e3, "min": ms / 1e3}}
 
     checks = gates.evaluate(e2e, gates.RunCases(cases, [timed(c) for c in cases]), gates.case_fields_of(m))

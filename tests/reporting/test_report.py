@@ -932,3 +932,17 @@ def test_gpu_clock_table_lists_end_to_end_cases_that_recorded_telemetry(tmp_path
            "42% (sw_power_cap) | 7.5 |" in table
     assert "hf-llama" not in table  # no telemetry recorded for it
     assert "GPU clocks" not in report.render([_run(tmp_path, "b.json", [untracked])])
+
+
+def test_cuda_graph_cases_are_their_own_compile_mode_in_the_tables(tmp_path):
+    compiled = _bench("small", 512, "train-step", "bf16", True, 0.0180)
+    graphs = _bench("small", 512, "train-step", "bf16", True, 0.0093)
+    graphs["extra_info"]["cuda_graphs"] = True
+    hf_graphs = _impl(_bench("small", 512, "train-step", "bf16", True, 0.0124), "hf-llama")
+    hf_graphs["extra_info"]["cuda_graphs"] = True
+    text = report.render([_run(tmp_path, "a.json", [compiled, graphs, hf_graphs])])
+    assert "18.00 ± 0.18" in _section(text, "### End-to-end: bf16, compiled, attention=sdpa, batch=4")
+    assert "9.30 ± 0.09" in _section(text, "### End-to-end: bf16, compiled + CUDA graphs, attention=sdpa, batch=4")
+    versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
+    assert "| small | 512 | 4 | train-step | bf16 | compiled + CUDA graphs | sdpa | adamw | adamw | 9.30 | 12.40 | 0.75 |" \
+        in versus

@@ -30,6 +30,14 @@ Compilation (``compile=True``) compiles each TransformerBlock separately with ``
 and static shapes give the best kernels.  The baseline's decoder layers and final norm are compiled the
 same way (`compile_each`).  Dynamo's caches are reset first so cases never share (and exhaust) a
 recompile budget.
+
+CUDA graphs (``cuda_graphs=True``, with ``compile=True`` on a CUDA device): the same units compiled with
+``mode="reduce-overhead"``, so inductor records each block's forward and backward kernels in CUDA graphs
+(cudagraph trees) and replays them; every step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
+For launch-bound sizes (small: hundreds of kernels of a few microseconds) this removes the host from the
+step.  The embedding, the head, the loss and the optimizer stay outside the graphs.  The graphs' memory
+pool is allocated when they are recorded (during warm-up): the peak memory of the measured rounds does
+not count the pool's reserved intermediates, so it is not comparable with the other modes.
 """
 
 from __future__ import annotations
@@ -75,11 +83,23 @@ def unavailable_reason(impl: str) -> str | None:
     return None
 
 
-def compile_each(modules: Iterable[nn.Module]) -> None:
-    """Compile each module in place, separately, with static shapes, after resetting dynamo's caches."""
+def compile_each(modules: Iterable[nn.Module], mode: str | None = None) -> None:
+    """Compile each module in place, separately, with static shapes, after resetting dynamo's caches
+    (``mode``: torch.compile's, e.g. "reduce-overhead" for CUDA graphs)."""
     torch._dynamo.reset()
     for module in modules:
-        module.compile(dynamic=False)
+        module.compile(dynamic=False, mode=mode)
+
+
+def check_cuda_graphs(cuda_graphs: bool, compile: bool, device: torch.device) -> bool:
+    """CUDA graphs are recorded by the compiled units on a CUDA device (ValueError naming what is missing)."""
+    if cuda_graphs is not True and cuda_graphs is not False:
+        raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+    if cuda_graphs and not compile:
+        raise ValueError("cuda_graphs=True needs compile=True (inductor records the compiled blocks), got compile=False")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {str(device)!r}")
+    return cuda_graphs
 
 
 def compile_units(model: TransformerLM) -> list[nn.Module]:
@@ -121,6 +141,7 @@ def lm_step(
     seed: int = 0,
     impl: str = DEFAULT_IMPL,
     optimizer: str = DEFAULT_OPTIMIZER,
+    cuda_graphs: bool = False,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -129,6 +150,7 @@ def lm_step(
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
     ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
+    ``cuda_graphs`` replays the compiled units as CUDA graphs (module docstring; needs compile and CUDA).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -136,6 +158,7 @@ def lm_step(
     check_impl(impl)
     check_optimizer(optimizer, precision)
     device = torch.device(device)
+    check_cuda_graphs(cuda_graphs, compile, device)
     torch.manual_seed(seed)
     if impl == "hf-llama":
         model = hf_llama.build(size, device=device, context_length=context, attention=attention,
@@ -160,7 +183,7 @@ def lm_step(
     elif optimizer == "adamw-master":
         hold_in(linear_weights(model), torch.bfloat16)
     if compile:  # after the weights took their dtype, so the compiled code is specialised to it
-        compile_each(units)
+        compile_each(units, mode="reduce-overhead" if cuda_graphs else None)
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
     targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
@@ -169,6 +192,8 @@ def lm_step(
         model.eval()
 
         def forward() -> None:
+            if cuda_graphs:  # a new step: the graphs may overwrite the previous step's outputs
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.no_grad(), amp.autocast(precision, device):
                 logits_of(tokens)
 
@@ -177,6 +202,8 @@ def lm_step(
     scaler = amp.grad_scaler(precision, device)
 
     def train() -> None:
+        if cuda_graphs:  # a new step: the graphs may overwrite the previous step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
         with amp.autocast(precision, device):
             logits = logits_of(tokens)  # (B, T, V)
