@@ -11,7 +11,7 @@ Options
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
   --compare-any-machine         allow --benchmark-compare across GPUs / versions (warning only)
-  --cool-down-s=S               before each GPU perf case wait up to S seconds (default 30; 0: never)
+  --cool-down-s=S               before each GPU perf case wait up to S seconds (default 10; 0: never)
                                 for the GPU to cool to its first case's temperature + 3 deg C
                                 (`cs336_systems.bench.gpu_telemetry`; needs pynvml)
 
@@ -65,7 +65,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
     group.addoption("--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s for MFU")
     group.addoption(
-        "--cool-down-s", type=non_negative_float, default=30.0,
+        "--cool-down-s", type=non_negative_float, default=10.0,
         help="before each GPU perf case, wait up to this many seconds for the GPU to cool back to its "
              "temperature at the first case + 3 deg C (needs pynvml; 0: never wait)",
     )
