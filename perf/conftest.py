@@ -16,7 +16,7 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
   do_bench's convention: device time, host overhead hidden behind queued work) instead of the default
   host-synchronized clock; its cases' ids end in ``devicetime``; ``"timings": ["graph"]`` times replays
   of the step captured in a CUDA graph (ids end in ``graphtime``);
-* on a GPU with NVML (``pynvml``): first waits (``--cool-down-s``, at most 10 s by default) until the GPU
+* on a GPU with NVML (``pynvml``), for the single-process cases (not ``dist_bench``'s): first waits (``--cool-down-s``, at most 10 s by default) until the GPU
   is back within 3 deg C of its temperature at the session's first case, so a case does not start hot
   from the one before (a hot H100 reaches its power cap sooner and lowers its clock), and samples the SM
   clock, power and temperature during the measured rounds (`cs336_systems.bench.gpu_telemetry`): the

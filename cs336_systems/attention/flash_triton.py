@@ -19,14 +19,18 @@ Backward: a dQ kernel (Q, dO resident, loop over key tiles) that first computes 
 query rows and stores it, then a dK/dV kernel (K, V resident, loop over query tiles) that reads D: two
 launches, every output tile has exactly one writer, no atomics.
 
-The launches are registered as `torch.library.custom_op`s (cs336::flash_attn_fwd / _bwd) with fake
-(shape-only) implementations, so `torch.compile(FlashAttentionTriton.apply, fullgraph=True)` traces them as
-opaque ops without graph breaks and calls them at run time.  Not `triton_op` + `wrap_triton` (inductor
-launching the kernels itself): on Hopper the launches take host-side TMA descriptors, which torch 2.11
-cannot trace inside a `triton_op` (docs/flash-attention.md, Sections 3 and 6); the price is the
-custom-op dispatch on the host, not device time.  An eager call on plain tensors (nothing tracing)
-launches the same kernels directly, skipping the custom-op dispatch: at small sizes that dispatch is most
-of the call.
+Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
+are registered operators, chosen once per traced shape (`_inductor_path`):
+  * `torch.library.triton_op`s (cs336::flash_attn_fwd_inductor / _bwd_inductor) launching through
+    `wrap_triton` wherever no TMA descriptor is wanted (the shape's configuration loads K/V with pointers,
+    K/V are strided views, a pre-Hopper GPU or CS336_FLASH_TMA=0): inductor traces them into its graph and
+    launches the kernels with its own launcher, so a call pays no custom-op dispatch or Triton JIT binding;
+  * `torch.library.custom_op`s (cs336::flash_attn_fwd / _bwd) with fake (shape-only) implementations where
+    descriptors are wanted: on Hopper those launches take host-side TMA descriptors, which torch 2.11
+    cannot trace inside a `triton_op` (docs/flash-attention.md, Sections 3 and 6); the price is the
+    custom-op dispatch on the host, not device time.
+An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
+dispatch: at small sizes that dispatch is most of the call.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
@@ -139,8 +143,11 @@ def flash_attn_bwd_inductor(
 def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype, causal: bool,
                     device: torch.device) -> bool:
     """Whether the forward's or dQ's tile configuration for this shape streams K/V through TMA descriptors
-    (then the traced path keeps the custom ops, which can pass descriptors).  A constant to dynamo: it
-    depends only on the static shape and the configuration tables."""
+    on this device (then the traced path keeps the custom ops, which can pass descriptors): never where
+    `flash_launch.tma_enabled` says no (pre-Hopper GPUs, ``CS336_FLASH_TMA=0``).  A constant to dynamo: it
+    depends only on the static shape, the device, the environment and the configuration tables."""
+    if not launch.tma_enabled(device):
+        return False
     cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
     return bool(cfg["fwd"].tma or cfg["dq"].tma)
 

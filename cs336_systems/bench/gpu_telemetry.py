@@ -16,7 +16,9 @@ Two tools make that visible and fair:
   target, so every case starts from the same thermal state.
 
 Without NVML (CPU runs, no ``pynvml``) both do nothing and say so: `Telemetry.summary()` returns {} and
-`cool_down` returns None.
+`cool_down` returns None.  An NVML error while sampling (a reading the device does not support, a lost
+GPU) never fails the measurement: sampling stops, the samples so far are kept, and the summary names the
+error (``gpu_telemetry_error``); `cool_down` stops waiting and says so the same way.
 """
 
 from __future__ import annotations
@@ -34,25 +36,37 @@ SLOWDOWN_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
                     0x80: "hw_power_brake"}
 
 
+_handles: dict[int, tuple] = {}  # CUDA device index -> (pynvml, handle): NVML is initialized once a process
+
+
 def _nvml_handle(device: torch.device | str | None):
     """(pynvml module, device handle) for a CUDA device, or None without CUDA or NVML."""
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _handles:
+        return _handles[index]
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        nvml_index = index
         try:  # CUDA_VISIBLE_DEVICES may reorder devices; torch knows NVML's index for this one
-            index = torch.cuda._get_nvml_device_index(index)
+            nvml_index = torch.cuda._get_nvml_device_index(index)
         except Exception:  # noqa: BLE001 - a private helper; the CUDA index is right without remapping
             pass
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        _handles[index] = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(nvml_index))
     except pynvml.NVMLError:
         return None
+    return _handles[index]
+
+
+def _nvml_error(nvml) -> type[BaseException]:
+    """The exception class NVML readings raise (pynvml.NVMLError; Exception for stand-ins without one)."""
+    return getattr(nvml, "NVMLError", Exception)
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,7 @@ class Telemetry:
         self.interval_s = interval_s
         self._nvml = _nvml_handle(device)
         self._samples: list[Sample] = []
+        self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,16 +128,23 @@ class Telemetry:
     def available(self) -> bool:
         return self._nvml is not None
 
-    def _sample(self) -> None:
-        self._samples.append(read_sample(*self._nvml))
+    def _sample(self) -> bool:
+        """Append one reading; on an NVML error record it and return False (sampling stops)."""
+        if self._error is not None:
+            return False
+        try:
+            self._samples.append(read_sample(*self._nvml))
+        except _nvml_error(self._nvml[0]) as exc:
+            self._error = f"{type(exc).__name__}: {exc}"
+            return False
+        return True
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
+        while not self._stop.wait(self.interval_s) and self._sample():
+            pass
 
     def __enter__(self) -> Telemetry:
-        if self._nvml is not None:
-            self._sample()
+        if self._nvml is not None and self._sample():
             self._thread = threading.Thread(target=self._loop, name="gpu-telemetry", daemon=True)
             self._thread.start()
         return self
@@ -130,17 +152,25 @@ class Telemetry:
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(timeout=10 * self.interval_s + 5.0)  # a reading stuck in the driver must not hang
             self._sample()
 
     def summary(self) -> dict:
-        return summarize(self._samples)
+        info = summarize(self._samples)
+        if self._error is not None:
+            info["gpu_telemetry_error"] = self._error
+        return info
 
 
 def temperature_c(device: torch.device | str | None) -> int | None:
     """The device's temperature now (deg C), or None without NVML."""
     nvml = _nvml_handle(device)
-    return None if nvml is None else read_sample(*nvml).temperature_c
+    if nvml is None:
+        return None
+    try:
+        return read_sample(*nvml).temperature_c
+    except _nvml_error(nvml[0]):
+        return None
 
 
 def cool_down(device: torch.device | str | None, target_c: float, max_wait_s: float,
@@ -148,7 +178,8 @@ def cool_down(device: torch.device | str | None, target_c: float, max_wait_s: fl
     """Wait until the device is at or below ``target_c`` deg C, at most ``max_wait_s`` seconds.
 
     Returns {"cooldown_s": waited, "cooldown_temperature_c": temperature when done, "cooldown_reached":
-    bool}, or None without NVML.  ``sleep`` and ``clock`` are injectable for tests.
+    bool} (plus "cooldown_error" if an NVML reading failed, which ends the wait), or None without NVML.
+    ``sleep`` and ``clock`` are injectable for tests.
     """
     if max_wait_s < 0:
         raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s!r}")
@@ -156,9 +187,16 @@ def cool_down(device: torch.device | str | None, target_c: float, max_wait_s: fl
     if nvml is None:
         return None
     start = clock()
-    temp = read_sample(*nvml).temperature_c
-    while temp > target_c and clock() - start < max_wait_s:
-        sleep(poll_s)
+    temp, error = None, None
+    try:
         temp = read_sample(*nvml).temperature_c
-    return {"cooldown_s": round(clock() - start, 2), "cooldown_temperature_c": temp,
-            "cooldown_reached": temp <= target_c}
+        while temp > target_c and clock() - start < max_wait_s:
+            sleep(poll_s)
+            temp = read_sample(*nvml).temperature_c
+    except _nvml_error(nvml[0]) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    done = {"cooldown_s": round(clock() - start, 2), "cooldown_temperature_c": temp,
+            "cooldown_reached": temp is not None and temp <= target_c}
+    if error is not None:
+        done["cooldown_error"] = error
+    return done

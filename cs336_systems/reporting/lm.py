@@ -233,15 +233,17 @@ def gpu_clock_table(entries: list[dict]) -> str:
     if not lm:
         return ""
     rows = []
-    for e in sorted(lm, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
-                                       else len(MODE_ORDER), bool(e.get("compile")), impl_of(e),
+    for e in sorted(lm, key=lambda e: (size_order(e), e.get("batch_size") or 0, MODE_ORDER.index(e["mode"])
+                                       if e.get("mode") in MODE_ORDER else len(MODE_ORDER), str(e.get("precision")),
+                                       str(e.get("compile")), impl_of(e),
                                        str(e.get("attention")), optimizer_of(e))):
         reasons = ", ".join(e.get("gpu_slowdown_reasons") or []) or "-"
-        rows.append([str(e.get("size")), str(e.get("mode")), compile_label(e.get("compile")), impl_of(e),
+        rows.append([str(e.get("size")), str(e.get("context")), str(e.get("batch_size")), str(e.get("mode")),
+                     str(e.get("precision")), compile_label(e.get("compile")), impl_of(e),
                      str(e.get("attention")), optimizer_of(e), fmt(stat_ms(e), ".2f"), f"{e['gpu_sm_clock_mhz_median']:.0f} / {e['gpu_sm_clock_mhz_min']:.0f}",
                      f"{e['gpu_power_w_median']:.0f} / {e['gpu_power_w_max']:.0f}",
                      f"{e['gpu_temperature_c_start']} / {e['gpu_temperature_c_max']}",
                      f"{100 * e['gpu_slowdown_fraction']:.0f}% ({reasons})", fmt(e.get("cooldown_s"), ".1f")])
-    header = ["size", "mode", "compile", "impl", "attention", "optimizer", "median ms", "SM MHz median / min",
+    header = ["size", "context", "batch", "mode", "precision", "compile", "impl", "attention", "optimizer", "median ms", "SM MHz median / min",
               "power W median / max", "temp C start / max", "slowed samples", "cool-down s"]
     return "### GPU clocks during the measured rounds (end-to-end)\n\n" + md_table(header, rows)

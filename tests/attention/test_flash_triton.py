@@ -654,10 +654,76 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
         return (o, *torch.autograd.grad(o, (q, k, v), grad_out))
 
     compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
-    (o,), code = run_and_get_code(lambda: (compiled(q, k, v, True),))
+
+    def compiled_step():
+        o = compiled(q, k, v, True)
+        return (o, *torch.autograd.grad(o, (q, k, v), grad_out))  # compiles the backward graph too
+
+    (o, *grads), code = run_and_get_code(compiled_step)
     code = "".join(code)
-    assert "flash_fwd" in code and "torch.ops.cs336" not in code  # inductor launches the kernel itself
-    grads = torch.autograd.grad(o, (q, k, v), grad_out)
+    # inductor launches the kernels itself, forward and backward: no registered custom op is called
+    assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))
+    assert "torch.ops.cs336" not in code
     expected = step(q, k, v)
     for a, b in zip((o, *grads), expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_token_major_inputs_reach_the_kernels_without_copies(monkeypatch):
+    """The launchers get the caller's own q, k, v, o and dO memory (same data pointers and strides), not
+    contiguous copies."""
+    from cs336_systems.attention.kernels import flash_launch
+
+    seen = []
+    for name in ("forward", "dq", "dkdv"):
+        real = getattr(flash_launch, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, [(t.data_ptr(), t.stride()) for t in args[:4]]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(flash_launch, name, spy)
+    q = _token_major(2, 4, 40, 16, torch.float32, 1)
+    k, v = _token_major(2, 2, 40, 16, torch.float32, 2), _token_major(2, 2, 40, 16, torch.float32, 3)
+    grad_out = torch.randn(2, 40, 4, 16).transpose(1, 2)
+    o = _apply(q, k, v, True)
+    torch.autograd.grad(o, (q, k, v), grad_out)
+    inputs = [(t.data_ptr(), t.stride()) for t in (q, k, v)]
+    assert [name for name, _ in seen] == ["forward", "dq", "dkdv"]
+    for name, args in seen:
+        assert args[:3] == inputs, name
+    assert seen[1][1][3] == (grad_out.data_ptr(), grad_out.stride())  # dq(q, k, v, do, ...)
+
+
+@pytest.mark.parametrize("tma", [0, 1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_four_dimensional_grouped_batches_with_splits_and_descriptors(tma, splits):
+    """The launchers on (Z, H, N, d) with Z > 1 and grouped K/V heads: every TMA mode (descriptors over
+    contiguous K/V) and the key-split forward, against float64."""
+    from attention_reference import reference
+
+    from cs336_systems.attention.kernels import flash_configs, flash_launch
+
+    g = torch.Generator().manual_seed(tma * 10 + splits)
+    q = torch.randn(2, 4, 64, 32, generator=g)
+    k, v = torch.randn(2, 2, 64, 32, generator=g), torch.randn(2, 2, 64, 32, generator=g)
+    o, lse = torch.empty_like(q), torch.empty(2, 4, 64)
+    cfg = flash_configs.TileConfig(32, 32, 4, 1, tma)
+    flash_launch.forward(q, k, v, o, lse, True, cfg, splits=splits, tma=tma)
+    ref_o, ref_lse = reference(q, k, v, True)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors():
+    from cs336_systems.attention.kernels import flash_configs, flash_launch
+
+    with pytest.raises(ValueError, match=r"take \(Z, H, N, d\) or \(BH, N, d\) tensors, got shape \(40, 32\)"):
+        flash_launch.as_4d(torch.empty(40, 32))
+    with pytest.raises(ValueError, match=r"got shape \(2, 2, 2, 40, 32\)"):
+        flash_launch.as_4d(torch.empty(2, 2, 2, 40, 32))
+    q = torch.randn(1, 2, 64, 32)
+    strided = torch.randn(1, 64, 2, 32).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"tma=1 needs contiguous k and v; got k strides \(4096, 32, 64, 1\)"):
+        flash_launch.forward(q, strided, strided, torch.empty_like(q), torch.empty(1, 2, 64), True,
+                             flash_configs.TileConfig(32, 32, 4, 1, 1), tma=1)

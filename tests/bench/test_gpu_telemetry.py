@@ -98,3 +98,33 @@ def test_the_monitor_sees_the_measured_rounds_only():
     result = measure(lambda: (lambda: steps.append(1)), warmup=3, rounds=4, device=torch.device("cpu"),
                      monitor=Monitor())
     assert result.ok and calls == [("enter", 3), ("exit", 7)]
+
+
+class FailingNvml(FakeNvml):
+    """A device whose power reading fails after ``ok`` successful readings (an unsupported or lost GPU)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, ok):
+        super().__init__([50])
+        self.ok = ok
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        if self.ok <= 0:
+            raise self.NVMLError("Not Supported")
+        self.ok -= 1
+        return self.power_mw
+
+
+@pytest.mark.parametrize("ok", [0, 2])
+def test_an_nvml_error_stops_sampling_but_never_fails_the_measurement(monkeypatch, ok):
+    fake = FailingNvml(ok)
+    monkeypatch.setattr(gpu_telemetry, "_nvml_handle", lambda device: (fake, "handle"))
+    with Telemetry("cuda", interval_s=0.001) as telemetry:
+        time.sleep(0.05)
+    info = telemetry.summary()
+    assert info["gpu_telemetry_error"] == "NVMLError: Not Supported"
+    assert info.get("gpu_samples", 0) == ok  # the readings before the error are kept
+    done = cool_down("cuda", 45, 30, sleep=lambda s: None, clock=lambda: 0.0)
+    assert done["cooldown_error"] == "NVMLError: Not Supported" and done["cooldown_reached"] is False

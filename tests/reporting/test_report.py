@@ -928,7 +928,7 @@ def test_gpu_clock_table_lists_end_to_end_cases_that_recorded_telemetry(tmp_path
     untracked = _impl(_bench("2.7B", 512, "train-step", "bf16", False, 0.130), "hf-llama")
     text = report.render([_run(tmp_path, "a.json", [hot, untracked])])
     table = _section(text, "### GPU clocks during the measured rounds (end-to-end)")
-    assert "| 2.7B | train-step | compiled | own | sdpa | adamw | 120.40 | 1935 / 1785 | 640 / 690 | 56 / 61 | " \
+    assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | own | sdpa | adamw | 120.40 | 1935 / 1785 | 640 / 690 | 56 / 61 | " \
            "42% (sw_power_cap) | 7.5 |" in table
     assert "hf-llama" not in table  # no telemetry recorded for it
     assert "GPU clocks" not in report.render([_run(tmp_path, "b.json", [untracked])])

@@ -1,13 +1,15 @@
 """FlashAttention-2 Triton kernels (forward, and its key-split variant with a combine kernel for few
 (batch x head) slices; dQ, which computes D = rowsum(O * dO) first; dK/dV). Kernel code only.
 
-Layout: every tensor is (BH, N, d) with a unit stride on d; one program handles one tile of one
-(batch x head) slice.  Head dims: HEAD_DIM is d (any multiple of 8 up to 256), BLOCK_D the register tile's
+Layout: every tensor is (Z, H, N, d) with a unit stride on d and any batch (z), head (h) and row strides,
+passed as arguments (the launchers take (BH, N, d) as Z = 1); one program handles one tile of one
+(batch x head) slice bh = z * H + h, addressed as z * stride_z + h * stride_h; L and D are (Z * H, Nq)
+contiguous, indexed by bh.  Head dims: HEAD_DIM is d (any multiple of 8 up to 256), BLOCK_D the register tile's
 width, the next power of two >= max(d, 16) (tl.arange and tl.dot need powers of two, tl.dot a K of 16 or
 more): when they differ, every load and store is masked on d and the padding columns are zeros, which add
 nothing to Q K^T and give zero columns of O, dQ, dK, dV that are never stored.  Grouped-query attention:
-K and V have BH / GROUP slices (GROUP query heads share one K/V head, heads contiguous per batch), so the
-query slice bh reads K/V slice bh // GROUP; the dK/dV kernel sums over the group's query heads itself.
+K and V have H / GROUP heads (GROUP query heads share one K/V head), so query head h of batch z reads K/V
+head h // GROUP of batch z; the dK/dV kernel sums over the group's query heads itself.
 
 Scores are kept in base 2: with c = log2(e) / sqrt(d), s2 = (q . k) * c, so exp(S - m) == exp2(s2 - m2)
 and the kernels use the cheaper exp2.  L is stored in natural-log units (logsumexp of S = q.k/sqrt(d)), as

@@ -32,8 +32,13 @@ LOG2E = 1.4426950408889634
 
 
 def as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(Z, H, N, d) as is, (BH, N, d) as a (1, BH, N, d) view."""
-    return t if t.dim() == 4 else t.unsqueeze(0)
+    """(Z, H, N, d) as is, (BH, N, d) as a (1, BH, N, d) view; any other rank is a ValueError (the kernels'
+    slice addressing has exactly a batch and a head stride)."""
+    if t.dim() == 4:
+        return t
+    if t.dim() == 3:
+        return t.unsqueeze(0)
+    raise ValueError(f"the flash launchers take (Z, H, N, d) or (BH, N, d) tensors, got shape {tuple(t.shape)}")
 
 
 def slices(t: torch.Tensor) -> int:
@@ -69,17 +74,22 @@ def use_tma(t: torch.Tensor) -> bool:
     row count fits the descriptor's int32 coordinates; otherwise the pointer loads.
     ``CS336_FLASH_TMA=0`` forces pointer loads everywhere (for same-run A/B measurements).
     """
+    if not tma_enabled(t.device):
+        return False
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() // t.shape[-1] < 2**31
+
+
+def tma_enabled(device: torch.device) -> bool:
+    """Whether descriptors may be used on ``device`` at all: an sm_90+ GPU or the interpreter, and not
+    forced off by ``CS336_FLASH_TMA=0`` (ValueError for any other value than 0 or 1)."""
     forced = os.environ.get(TMA_ENV, "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"{TMA_ENV} must be 0 or 1, got {forced!r}")
     if forced == "0":
         return False
-    if t.device.type == "cuda":
-        if _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 9:
-            return False
-    elif os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() // t.shape[-1] < 2**31
+    if device.type == "cuda":
+        return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -97,6 +107,9 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
     if tma not in (0, 1, 2):
         raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
+    if tma and not (k.is_contiguous() and v.is_contiguous()):
+        # the descriptors cover the (BH * N, d) rows of contiguous memory; a strided view would be read wrong
+        raise ValueError(f"tma={tma} needs contiguous k and v; got k strides {k.stride()}, v strides {v.stride()}")
     if not tma:
         return 0, None, None
     n, d = k.shape[-2:]
