@@ -25,12 +25,16 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def non_negative_float(text: str) -> float:
-    """An argparse ``type`` for finite numbers >= 0."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type`` for finite numbers >= 0."""
+    value = _number(text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
@@ -38,10 +42,7 @@ def non_negative_float(text: str) -> float:
 
 def positive_float(text: str) -> float:
     """An argparse ``type`` for positive finite numbers."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value

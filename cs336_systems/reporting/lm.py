@@ -18,7 +18,6 @@ from __future__ import annotations
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as OWN
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
 from cs336_systems.reporting.tables import (
-    CUDA_GRAPHS,
     LM_FIELDS,
     MODE_ORDER,
     cell_time,
@@ -56,8 +55,9 @@ def end_to_end_tables(entries: list[dict]) -> str:
     out = []
 
     def variant(e: dict) -> tuple:
-        compiled = e.get("compile") if e.get("compile") == CUDA_GRAPHS else bool(e.get("compile"))
-        return (impl_of(e), e.get("precision"), compiled, e.get("attention"), e.get("batch_size"), optimizer_of(e))
+        # "compile": False, True or CUDA_GRAPHS (load_entries normalizes CUDA-graph cases)
+        return (impl_of(e), e.get("precision"), e.get("compile") or False, e.get("attention"), e.get("batch_size"),
+                optimizer_of(e))
 
     for impl, precision, compiled, attention, batch, optimizer in sorted(
             {variant(e) for e in lm}, key=lambda v: (v[0] != OWN, v[5] != DEFAULT_OPTIMIZER, str(v))):
