@@ -54,6 +54,7 @@ from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
 from cs336_systems.bench.workloads.lm import IMPLS as LM_IMPLS
 from cs336_systems.bench.workloads.lm import OPTIMIZERS as LM_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPTIMIZER
+from cs336_systems.bench.workloads.lm import MASTER_FORMAT as LM_MASTER_FORMAT
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
 from cs336_systems.model import SIZES
 
@@ -155,7 +156,8 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # "own" (cs336_systems.model, the default) or a baseline of the same size ("hf-llama": transformers'
 # LlamaForCausalLM), so that both are timed in one run; and the optimizer of the train step ("adamw": torch's
 # fused AdamW over float32 weights, the default; "adamw-master": bf16 compute weights with float32 masters in
-# cs336_systems.optim.AdamWMaster, bf16 precision only).
+# cs336_systems.optim.AdamWMaster, kept split into the weight and its low bits; "adamw-master-fp32": the same
+# with float32 copies; both bf16 precision only).
 # "cuda_graphs": the compiled units replayed as CUDA graphs (compile true only; ids gain "cudagraphs").
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
              "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER]),
@@ -404,9 +406,10 @@ def _baselines_run_sdpa_only(grid: dict, where: str) -> None:
 
 def _master_weights_need_bf16(grid: dict, where: str) -> None:
     other = [p for p in grid.get("precisions", ()) if p != "bf16"]
-    if "adamw-master" in grid.get("optimizers", ()) and other:
+    masters = [o for o in grid.get("optimizers", ()) if o in LM_MASTER_FORMAT]
+    if masters and other:
         # AdamWMaster's compute weights are bf16 (cs336_systems.bench.workloads.lm.check_optimizer)
-        raise MatrixError(f"{where}: optimizers ['adamw-master'] need precision 'bf16' only, but the grid also "
+        raise MatrixError(f"{where}: optimizers {masters} need precision 'bf16' only, but the grid also "
                           f"crosses them with precisions {other}")
 
 
@@ -504,7 +507,7 @@ def _validate_gate(gate: object, where: str, suites: dict[str, dict[str, list[di
     ratio = gate["max_ratio"]
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < math.inf:
         raise MatrixError(f"{where}.max_ratio: expected a finite positive number, got {ratio!r} (gate {name!r})")
-    _one_of(("median", "mean", "min"))(gate.get("statistic", "median"), f"{where}.statistic")
+    _one_of(("median", "mean", "min", "peak_memory_gib"))(gate.get("statistic", "median"), f"{where}.statistic")
     return gate
 
 

@@ -3,26 +3,36 @@
 Under bf16 autocast a model with float32 weights pays twice per step for every GEMM weight: the forward casts it
 to bf16 (4 bytes read, 2 written) and the backward casts the bf16 weight gradient back to float32 (2 read,
 4 written).  The values the GEMMs see are the same bf16 roundings either way.  `AdamWMaster` keeps the
-float32 copy itself and lets the model hold the bf16 one:
+float32 master itself and lets the model hold the bf16 weight:
 
-  * at construction, each of ``compute_params`` (float32) hands its float32 storage to the optimizer's state
+  * at construction, each of ``compute_params`` (float32) gives its float32 values to the optimizer's state
     as its master, and the parameter itself is given a ``compute_dtype`` copy;
   * autocast then finds the weight already in bf16 (no cast), and autograd produces its gradient in bf16
     (no cast back): the value autocast's GEMM produced before its cast to float32;
-  * `step` runs one fused kernel per tensor (`adamw_kernel`): it reads the float32 master, the bf16 gradient
-    and the two float32 moments, and writes the master, the moments and the master rounded to bf16 into the
-    parameter; 28 bytes an element, the same as torch's fused AdamW on float32 parameters.
+  * `step` runs one fused kernel per tensor (`adamw_kernel`): it reads the master, the bf16 gradient and the
+    two float32 moments, and writes the master, the moments and the master rounded to bf16 into the parameter.
+
+How the master is kept (``master_format``):
+  "split"    (the default for bf16) the bf16 weight is the master's upper 16 bits and the state keeps only
+             the 16 bits rounding removed ("master_lo", int16; `split_float`): the same float32 master, exactly,
+             in 2 bytes beside the weight instead of 4.  14 bytes an element with the gradient and moments
+             (6.3 GiB less than float32 masters at 2.7B) and 26 bytes of traffic an update.  The bf16 weight is
+             the master rounded to nearest with ties away from zero (torch rounds ties to even: the two
+             differ on one master value in 65536, by one bf16 step).
+  "float32"  (the only choice for fp16) a float32 copy ("master"): the parameter's own float32 storage, kept
+             as it was; 28 bytes of traffic an update, as many as torch's fused AdamW on float32 parameters.
 
 Parameters not in ``compute_params`` (embeddings, norm gains: not GEMM operands, and kept float32 so the
 residual stream and the norms keep their precision) are their own masters and are updated by the same kernel
 without the bf16 write.  The update is torch's AdamW (decoupled weight decay, bias-corrected moments), so
 one step matches `torch.optim.AdamW` on the float32 masters with the bf16 gradients upcast, to float32
-rounding (tests/optim/test_adamw_master.py).
+rounding, in either format (tests/optim/test_adamw_master.py).
 
-What changes against autocast over float32 weights: nothing in the values of one step from the same masters.
-Gradient accumulation over several backward passes would sum in bf16; step after each backward or keep the
-default (float32 parameters and `torch.optim.AdamW`) when accumulating.  The model must run under autocast:
-its bf16 weights meet float32 activations (the embedding's output, the norms) that autocast casts.
+What changes against autocast over float32 weights: nothing in the values of one step from the same masters
+(with split masters, the bf16 rounding of ties).  Gradient accumulation over several backward passes would
+sum in bf16; step after each backward or keep the default (float32 parameters and `torch.optim.AdamW`) when
+accumulating.  The model must run under autocast: its bf16 weights meet float32 activations (the
+embedding's output, the norms) that autocast casts.
 
 Usage::
 
@@ -32,6 +42,7 @@ Usage::
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     opt.step()
+    opt.master(p)  # a parameter's float32 master (for split masters: joined into a new tensor)
 
 ``impl``: "triton" (the kernel; CUDA tensors, or CPU ones under TRITON_INTERPRET=1), "torch" (the same update
 in PyTorch ops, `adamw_update_reference`, any device), or "auto" (the kernel on CUDA, PyTorch ops elsewhere).
@@ -47,8 +58,11 @@ from itertools import chain
 import torch
 from torch import nn
 
+from cs336_systems.optim import split_float
+
 IMPLS = ("auto", "triton", "torch")
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+MASTER_FORMATS = ("split", "float32")
 
 
 def linear_weights(model: nn.Module) -> list[nn.Parameter]:
@@ -68,9 +82,17 @@ def hold_in(params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
 def adamw_update_reference(
     master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     compute: torch.Tensor | None, *, decay: float, beta1: float, beta2: float, step_size: float,
-    sqrt_bias2: float, eps: float,
+    sqrt_bias2: float, eps: float, lo: torch.Tensor | None = None,
 ) -> None:
     """`adamw_kernel.adamw_update` in PyTorch ops (same arguments, same order of operations), in place."""
+    if lo is not None:  # split master: join, update, split back into the weight and its low bits
+        master = split_float.join(compute, lo)
+        adamw_update_reference(master, grad, exp_avg, exp_avg_sq, None, decay=decay, beta1=beta1, beta2=beta2,
+                               step_size=step_size, sqrt_bias2=sqrt_bias2, eps=eps)
+        hi, low = split_float.split(master)
+        compute.copy_(hi)
+        lo.copy_(low)
+        return
     g = grad.to(torch.float32)
     master.mul_(decay)
     exp_avg.lerp_(g, 1.0 - beta1)
@@ -91,7 +113,9 @@ class AdamWMaster(torch.optim.Optimizer):
     """AdamW over float32 masters; ``compute_params`` are held by the model in ``compute_dtype`` (module docstring).
 
     lr, betas, eps, weight_decay: as `torch.optim.AdamW` (same defaults).  ``state[p]`` holds "step" (an int),
-    "exp_avg" and "exp_avg_sq" (float32, from the first step) and, for a compute parameter, "master" (float32).
+    "exp_avg" and "exp_avg_sq" (float32, from the first step) and, for a compute parameter, "master_lo"
+    (int16, ``master_format`` "split") or "master" (float32, "float32").  ``master_format`` None: "split" for
+    a bf16 ``compute_dtype``, "float32" for fp16.
     """
 
     def __init__(
@@ -104,6 +128,7 @@ class AdamWMaster(torch.optim.Optimizer):
         *,
         compute_params: Iterable[nn.Parameter] = (),
         compute_dtype: torch.dtype = torch.bfloat16,
+        master_format: str | None = None,
         impl: str = "auto",
     ) -> None:
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
@@ -115,9 +140,17 @@ class AdamWMaster(torch.optim.Optimizer):
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if master_format is None:
+            master_format = "split" if compute_dtype == torch.bfloat16 else "float32"
+        if master_format not in MASTER_FORMATS:
+            raise ValueError(f"master_format must be one of {MASTER_FORMATS}, got {master_format!r}")
+        if master_format == "split" and compute_dtype != torch.bfloat16:
+            # fp16 has 5 exponent bits: it is not the upper half of a float32
+            raise ValueError(f"master_format 'split' needs compute_dtype torch.bfloat16, got {compute_dtype!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.impl = impl
         self.compute_dtype = compute_dtype
+        self.master_format = master_format
         owned = {id(p) for group in self.param_groups for p in group["params"]}
         for p in dict.fromkeys(compute_params):  # a parameter named twice is cast once
             if id(p) not in owned:
@@ -126,6 +159,9 @@ class AdamWMaster(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 raise ValueError(f"compute_params must be float32 when the optimizer is built (their float32 "
                                  f"storage becomes the master); got one of dtype {p.dtype} and shape {tuple(p.shape)}")
+            if master_format == "split":
+                p.data, self.state[p]["master_lo"] = split_float.split(p.data)
+                continue
             # The parameter's own float32 storage becomes the master and the parameter gets a new bf16 one:
             # construction holds the float32 weights and their bf16 copies (19 GiB at 2.7B), not two float32
             # copies (25 GiB) of which one is freed.
@@ -133,13 +169,20 @@ class AdamWMaster(torch.optim.Optimizer):
             hold_in([p], compute_dtype)
         for group in self.param_groups:
             for p in group["params"]:
-                if "master" not in self.state[p] and p.dtype != torch.float32:
+                if not self._is_compute(p) and p.dtype != torch.float32:
                     raise ValueError(f"params not in compute_params must be float32 (they are their own masters); "
                                      f"got one of dtype {p.dtype} and shape {tuple(p.shape)}")
 
+    def _is_compute(self, p: torch.Tensor) -> bool:
+        return "master" in self.state[p] or "master_lo" in self.state[p]
+
     def master(self, p: torch.Tensor) -> torch.Tensor:
-        """The float32 weights of parameter ``p``: its master, or ``p`` itself if it is not a compute parameter."""
-        return self.state[p].get("master", p)
+        """The float32 weights of parameter ``p``: its master (split masters: joined, a new tensor), or ``p``
+        itself if it is not a compute parameter."""
+        state = self.state[p]
+        if "master_lo" in state:
+            return split_float.join(p.detach(), state["master_lo"])
+        return state.get("master", p)
 
     def _use_triton(self, tensors: list[torch.Tensor]) -> bool:
         if self.impl == "torch":
@@ -169,20 +212,22 @@ class AdamWMaster(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError("AdamWMaster does not support sparse gradients")
         state = self.state[p]
-        master = state.get("master", p)
+        lo = state.get("master_lo")
+        master = None if lo is not None else state.get("master", p)
         if "exp_avg" not in state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.contiguous_format)
+            like = p if master is None else master
+            state["exp_avg"] = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
         state["step"] += 1
         t = state["step"]
         lr, (beta1, beta2) = group["lr"], group["betas"]
-        compute = p if "master" in state else None
+        compute = p if self._is_compute(p) else None
         args = dict(decay=1.0 - lr * group["weight_decay"], beta1=beta1, beta2=beta2,
-                    step_size=lr / (1.0 - beta1**t), eps=group["eps"])
+                    step_size=lr / (1.0 - beta1**t), eps=group["eps"], lo=lo)
         sqrt_bias2 = math.sqrt(1.0 - beta2**t)
-        tensors = [master, grad, state["exp_avg"], state["exp_avg_sq"]] + ([compute] if compute is not None else [])
-        if self._use_triton(tensors) and all(x.is_contiguous() for x in tensors[:1] + tensors[2:]):
+        tensors = [x for x in (master, compute, lo, state["exp_avg"], state["exp_avg_sq"]) if x is not None]
+        if self._use_triton(tensors + [grad]) and all(x.is_contiguous() for x in tensors):
             from cs336_systems.optim import adamw_kernel  # imports Triton
 
             adamw_kernel.adamw_update(master, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], compute,
@@ -192,13 +237,13 @@ class AdamWMaster(torch.optim.Optimizer):
                                    sqrt_bias2=sqrt_bias2, **args)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch's loader casts floating-point state to each parameter's dtype, which would round the float32
-        # masters and moments of a bf16 parameter; put the saved float32 tensors back (pairing saved and
-        # current parameters in group order, as torch does).
+        # torch's loader casts every state tensor to a floating-point parameter's dtype, which would round the
+        # float32 masters and moments of a bf16 parameter and turn the int16 low bits into bf16 numbers; put the
+        # saved tensors back as they were (pairing saved and current parameters in group order, as torch does).
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(saved_id, {}).items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                if isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device=p.device, copy=True)

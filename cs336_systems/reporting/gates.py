@@ -8,6 +8,9 @@ A gate in benchmarks.json::
      "denominator": {"impl": "sdpa-flash", "compile": false},
      "max_ratio": 0.80, "statistic": "median"}
 
+``statistic``: a time statistic of the cases ("median", the default; "mean"; "min"), or "peak_memory_gib",
+the peak memory of the measured rounds (a gate such as "our peak memory <= 1.00x the baseline's").
+
 Pairing.  Every case of ``suite`` matching ``where`` and ``numerator`` is paired with the case that matches
 ``where`` and ``denominator`` and agrees with it on every other case field (fields named by either side,
 and bookkeeping fields like group, warm-up and rounds, are not compared).  If two denominator cases agree
@@ -46,6 +49,8 @@ from cs336_systems.reporting.run_files import read_run
 # Case fields that describe how a case was measured, not what: never used to pair cases.
 BOOKKEEPING = {"group", "warmup", "rounds", "suite", "device", "status"}
 STATISTICS = ("median", "mean", "min")
+# Gates may also bound a measured quantity other than time: a field of the case's results (extra_info).
+RESULT_STATISTICS = ("peak_memory_gib",)
 
 
 @dataclass(frozen=True)
@@ -159,12 +164,17 @@ def evaluate(gates: list[dict], run: RunCases | list[dict], case_fields: set[str
             if missing:
                 checks.append(Check(gate["name"], label, None, bound, problem="; ".join(missing)))
                 continue
-            a, b = (entry["stats"].get(statistic) for _, _, entry in sides)
+            a, b = (_statistic(entry, statistic) for _, _, entry in sides)
             if not _is_time(a) or not _is_time(b) or b <= 0:
                 raise ValueError(f"gate {gate['name']!r} ({label}): {statistic} is {a!r} / {b!r}; "
-                                 "a ratio needs two times and a positive denominator")
+                                 "a ratio needs two non-negative values and a positive denominator")
             checks.append(Check(gate["name"], label, a / b, bound))
     return checks
+
+
+def _statistic(entry: dict, statistic: str) -> object:
+    """A time statistic from the entry's stats, or a result field (`RESULT_STATISTICS`) from the entry."""
+    return entry.get(statistic) if statistic in RESULT_STATISTICS else entry["stats"].get(statistic)
 
 
 def _why_not_applicable(gate: dict, run: RunCases, case_fields: set[str], profile_cases: list[dict] | None) -> str:

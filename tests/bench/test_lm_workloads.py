@@ -67,15 +67,16 @@ def test_compiled_forward_matches_eager():
         torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-master", "adamw-master-fp32"])
 @pytest.mark.parametrize("impl", ["own", "hf-llama"])
 @pytest.mark.parametrize("mode", workloads.MODES)
-def test_adamw_master_holds_the_linear_weights_in_bf16_in_every_mode(impl, mode):
+def test_adamw_master_holds_the_linear_weights_in_bf16_in_every_mode(impl, mode, optimizer):
     if workloads.unavailable_reason(impl):
         pytest.skip(workloads.unavailable_reason(impl))
     from cs336_systems.optim.adamw_master import AdamWMaster, linear_weights
 
     step = workloads.lm_step(size="tiny", context=16, batch_size=2, mode=mode, precision="bf16", impl=impl,
-                             optimizer="adamw-master")
+                             optimizer=optimizer)
     gemm = {id(p) for p in linear_weights(step.model)}
     assert gemm and all(p.dtype == (torch.bfloat16 if id(p) in gemm else torch.float32)
                         for p in step.model.parameters())
@@ -83,6 +84,7 @@ def test_adamw_master_holds_the_linear_weights_in_bf16_in_every_mode(impl, mode)
     step()
     if mode == "train-step":
         assert isinstance(step.optimizer, AdamWMaster)
+        assert step.optimizer.master_format == ("split" if optimizer == "adamw-master" else "float32")
         assert all(not torch.equal(a, b) for a, b in zip(step.model.parameters(), before))
         assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16 for p in step.model.parameters()
                    if id(p) in gemm)  # gradients come out in bf16: nothing cast them back
@@ -119,5 +121,8 @@ def test_adamw_master_needs_bf16_and_unknown_optimizers_are_named():
                                          "'bf16', got precision 'fp16'"):
         workloads.lm_step(size="tiny", context=16, batch_size=1, mode="train-step", precision="fp16",
                           optimizer="adamw-master")
-    with pytest.raises(ValueError, match="unknown optimizer 'sgd'; valid: adamw, adamw-master"):
+    with pytest.raises(ValueError, match="optimizer 'adamw-master-fp32' holds bf16 compute weights"):
+        workloads.lm_step(size="tiny", context=16, batch_size=1, mode="train-step", precision="fp32",
+                          optimizer="adamw-master-fp32")
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'; valid: adamw, adamw-master, adamw-master-fp32$"):
         workloads.lm_step(size="tiny", context=16, batch_size=1, mode="train-step", optimizer="sgd")

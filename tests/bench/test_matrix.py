@@ -86,6 +86,9 @@ def _grid(data):
         (lambda d: _grid(d).update(optimizers=["adamw-master"], precisions=["bf16", "fp32"]),
          r"gpu\[1\]: optimizers \['adamw-master'\] need precision 'bf16' only, but the grid also crosses them "
          r"with precisions \['fp32'\]"),
+        (lambda d: _grid(d).update(optimizers=["adamw", "adamw-master-fp32"], precisions=["fp16", "bf16"]),
+         r"gpu\[1\]: optimizers \['adamw-master-fp32'\] need precision 'bf16' only, but the grid also crosses "
+         r"them with precisions \['fp16'\]"),
         (lambda d: _grid(d).update(optimizers=["lion"]), r"optimizers\[0\]: unknown value 'lion'"),
         (lambda d: _grid(d).update(cuda_graphs=[True], compile=[False, True]),
          r"gpu\[1\]: cuda_graphs \[true\] needs compile \[true\] only, but the grid also crosses it with compile "
@@ -447,6 +450,9 @@ def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_
     expected |= {f"{prefix}small-ctx512-b4-{mode}-bf16-{compiled}-sdpa{suffix}-w5"
                  for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
                  for mode in ("forward", "train-step") for compiled in ("eager", "compiled", "compiled-cudagraphs")}
+    # the A/B of AdamWMaster's master formats: float32 copies beside the default split masters
+    expected |= {f"{size}-ctx512-b4-train-step-bf16-{compiled}-sdpa-adamw-master-fp32-w5"
+                 for size in ("xl", "2.7B") for compiled in ("eager", "compiled")}
     assert ids == expected
     assert all(c["cuda_graphs"] == ("cudagraphs" in matrix.case_id(c)) for c in cases)
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}

@@ -84,6 +84,23 @@ def test_statistic_is_selectable():
     assert check.ratio == pytest.approx(1 / 7)
 
 
+def test_a_gate_can_bound_peak_memory_instead_of_time():
+    entries = [_entry("flash-triton", "forward-backward", 5.0, compile_=True, peak_memory_gib=3.0),
+               _entry("sdpa-flash", "forward-backward", 1.0, peak_memory_gib=4.0)]
+    gate = {**GATE, "statistic": "peak_memory_gib", "max_ratio": 1.0}
+    (check,) = gates.evaluate([gate], _run(entries), FIELDS)
+    assert check.ratio == pytest.approx(0.75) and check.ok  # slower (5 vs 1), but smaller
+    entries[0]["peak_memory_gib"] = 4.2
+    (check,) = gates.evaluate([gate], _run(entries), FIELDS)
+    assert check.ratio == pytest.approx(1.05) and check.verdict == "VIOLATED"
+    del entries[1]["peak_memory_gib"]  # a case without the quantity cannot be judged on it
+    with pytest.raises(ValueError, match="peak_memory_gib is 4.2 / None; a ratio needs two non-negative values"):
+        gates.evaluate([gate], _run(entries), FIELDS)
+    matrix.parse(_matrix_with(gate))
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.statistic: unknown value 'peak_memory'"):
+        matrix.parse(_matrix_with({**gate, "statistic": "peak_memory"}))
+
+
 def _matrix_with(gate):
     data = json.loads((ROOT / "benchmarks.json").read_text())
     data["gates"] = [gate]
@@ -273,9 +290,9 @@ def test_a_float_gate_value_matches_an_integer_grid_value():
 
 # --- our LM against the hf-llama baseline: eager with eager, compiled with compiled, in one run -------------
 
-def _e2e_gates_and_cases():
+def _e2e_gates_and_cases(statistic="median"):
     m = matrix.load(ROOT / "benchmarks.json")
-    e2e = [g for g in m.gates if g["suite"] == "end_to_end"]
+    e2e = [g for g in m.gates if g["suite"] == "end_to_end" and g.get("statistic", "median") == statistic]
     cases = [{**c, "suite": "end_to_end"} for c in m.cases("end_to_end", "gpu", {"e2e-hf"})]
     return m, e2e, cases
 
@@ -296,6 +313,19 @@ def test_own_vs_hf_gates_judge_each_size_eager_and_compiled_against_the_same_mod
     assert got == {("xl", False): (0.85, "ok"), ("xl", True): (0.95, "VIOLATED"),
                    ("2.7B", False): (0.91, "VIOLATED"), ("2.7B", True): (0.8, "ok")}
     assert all("context=512" in c.case and "mode" not in c.case for c in checks)  # forward cases are not judged
+
+
+def test_own_vs_hf_memory_gates_judge_each_size_and_mode_on_peak_memory():
+    m, e2e, cases = _e2e_gates_and_cases("peak_memory_gib")
+    assert {g["where"]["size"] for g in e2e} == {"xl", "2.7B"} and all(g["max_ratio"] == 1.0 for g in e2e)
+
+    def timed(case):
+        gib = 51.39 if case["impl"] == "hf-llama" else (51.40 if case["size"] == "2.7B" and case["compile"] else 45.0)
+        return {**case, "stats": {"median": 0.1, "mean": 0.1, "min": 0.1}, "peak_memory_gib": gib}
+
+    checks = gates.evaluate(e2e, gates.RunCases(cases, [timed(c) for c in cases]), gates.case_fields_of(m))
+    verdicts = sorted((c.gate.split(" at ")[1].split(",")[0], "compile=True" in c.case, c.verdict) for c in checks)
+    assert verdicts == [("2.7B", False, "ok"), ("2.7B", True, "VIOLATED"), ("xl", False, "ok"), ("xl", True, "ok")]
 
 
 def test_a_baseline_skipped_for_want_of_transformers_fails_its_gate_with_the_reason():

@@ -17,13 +17,15 @@ Implementations (``impl``, `IMPLS`):
 Both run the same step: the same batch (one generator, one seed), autocast, logits -> the same
 `F.cross_entropy` -> backward, the same AdamW; only the model that turns tokens into logits differs.
 
-Optimizers (``optimizer``, `OPTIMIZERS`), both fused (one pass over each tensor's bytes):
-  "adamw"         torch.optim.AdamW(fused=True on CUDA) over float32 parameters: autocast casts every GEMM
-                  weight to bf16 in the forward and its gradient back to float32 in the backward
-  "adamw-master"  `cs336_systems.optim.AdamWMaster`: the Linear weights are held in bf16 and their float32
-                  masters in the optimizer, so autocast casts nothing (bf16 precision only).  In the forward
-                  and forward-backward modes, which build no optimizer, the Linear weights are held in bf16
-                  the same way, so each mode times the same model.
+Optimizers (``optimizer``, `OPTIMIZERS`), all fused (one pass over each tensor's bytes):
+  "adamw"              torch.optim.AdamW(fused=True on CUDA) over float32 parameters: autocast casts every GEMM
+                       weight to bf16 in the forward and its gradient back to float32 in the backward
+  "adamw-master"       `cs336_systems.optim.AdamWMaster`: the Linear weights are held in bf16 and their float32
+                       masters in the optimizer, so autocast casts nothing (bf16 precision only); the masters
+                       split (the bf16 weight plus the 16 low bits, its default: 2 bytes an element fewer)
+  "adamw-master-fp32"  the same with a float32 copy as each master (``master_format="float32"``)
+  In the forward and forward-backward modes, which build no optimizer, the Linear weights of both
+  "adamw-master" variants are held in bf16 the same way, so each mode times the same model.
 
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
@@ -56,7 +58,8 @@ from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weight
 MODES = ("forward", "forward-backward", "train-step")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
-OPTIMIZERS = ("adamw", "adamw-master")
+OPTIMIZERS = ("adamw", "adamw-master", "adamw-master-fp32")
+MASTER_FORMAT = {"adamw-master": "split", "adamw-master-fp32": "float32"}  # AdamWMaster's master_format
 DEFAULT_OPTIMIZER = "adamw"
 
 
@@ -69,7 +72,7 @@ def check_impl(impl: str) -> str:
 def check_optimizer(optimizer: str, precision: str) -> str:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if optimizer == "adamw-master" and precision != "bf16":
+    if optimizer in MASTER_FORMAT and precision != "bf16":
         # fp16 compute weights would need a GradScaler that unscales fp16 gradients, which torch's refuses
         raise ValueError(f"optimizer {optimizer!r} holds bf16 compute weights: it needs precision 'bf16', "
                          f"got precision {precision!r}")
@@ -149,7 +152,7 @@ def lm_step(
     "every-k", "sqrt"): blocks recompute their activations in backward instead of keeping them.
     ``impl`` picks the model (module docstring); "hf-llama" raises `hf_llama.BaselineUnavailable` without
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
-    ``optimizer`` picks the AdamW (module docstring); "adamw-master" needs precision "bf16".
+    ``optimizer`` picks the AdamW (module docstring); the "adamw-master" ones need precision "bf16".
     ``cuda_graphs`` replays the compiled units as CUDA graphs (module docstring; needs compile and CUDA).
     """
     if mode not in MODES:
@@ -175,12 +178,13 @@ def lm_step(
         logits_of = model
     opt = None
     if mode == "train-step":
-        if optimizer == "adamw-master":
-            opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model))
+        if optimizer in MASTER_FORMAT:
+            opt = AdamWMaster(model.parameters(), lr=lr, compute_params=linear_weights(model),
+                              master_format=MASTER_FORMAT[optimizer])
         else:
             # fused=True: one multi-tensor kernel launch per step on CUDA instead of a loop over tensors.
             opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
-    elif optimizer == "adamw-master":
+    elif optimizer in MASTER_FORMAT:
         hold_in(linear_weights(model), torch.bfloat16)
     if compile:  # after the weights took their dtype, so the compiled code is specialised to it
         compile_each(units, mode="reduce-overhead" if cuda_graphs else None)
