@@ -103,6 +103,38 @@ def test_tile_config_text_round_trip_and_validation():
         TileConfig(64, 64, 3, 2)
     with pytest.raises(ValueError, match="'64x64' is not of the form"):
         TileConfig.parse("64x64")
+    two = TileConfig(32, 64, 8, 2, parts=2)
+    assert two.short() == "32x64w8s2p2" and TileConfig.parse("32x64w8s2p2") == two != TileConfig(32, 64, 8, 2)
+    assert TileConfig.parse("64x64w4s3tp2") == TileConfig(64, 64, 4, 3, tma=1, parts=2)
+    assert "parts" not in two.launch_kwargs()  # the dK/dV launcher turns it into two launches
+    with pytest.raises(ValueError, match="TileConfig.parts must be 1 or 2; got 3"):
+        TileConfig(64, 64, 4, 2, parts=3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, splits", [(2, 2, 1), (4, 1, 1), (4, 1, 2)])
+@pytest.mark.parametrize("nq, nk", [(77, 150), (150, 77)])
+def test_two_pass_dkdv_is_bit_equal_to_one_pass(causal, heads, kv_heads, splits, nq, nk):
+    """parts=2 (a dV launch, then a dK launch) computes each output with the same arithmetic as parts=1:
+    the same bits, grouped-query attention and split groups included, on ragged lengths."""
+    if DEVICE == "cpu" and not flash_autotune.interpreter_active():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator(DEVICE).manual_seed(nq + nk + heads)
+    q = torch.randn(1, heads, nq, 32, generator=g, device=DEVICE)
+    k, v = (torch.randn(1, kv_heads, nk, 32, generator=g, device=DEVICE) for _ in range(2))
+    one, two = TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1, parts=2)
+    o, lse = torch.empty_like(q), torch.empty(1, heads, nq, device=DEVICE)
+    flash_launch.forward(q, k, v, o, lse, causal, one)
+    do = torch.randn(o.shape, generator=g, device=DEVICE)
+    delta, dq = torch.empty_like(lse), torch.empty_like(q)
+    flash_launch.dq(q, k, v, do, lse, delta, dq, causal, one, o=o)
+    got = {}
+    for cfg in (one, two):
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        flash_launch.dkdv(q, k, v, do, lse, delta, dk, dv, causal, cfg, splits=splits)
+        got[cfg.parts] = (dk, dv)
+    for a, b in zip(got[1], got[2]):
+        assert not a.isnan().any() and torch.equal(a, b)
 
 
 def test_shape_key_buckets():

@@ -31,7 +31,7 @@ head_dim = int(sys.argv[3])
 block_d = max(16, 1 << (head_dim - 1).bit_length())
 consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": 64, "BLOCK_N": 64,
           "PRECISION": "tf32", "LONGEST_FIRST": True, "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634,
-          "SPLITS": 4, "TMA": mode}
+          "SPLITS": 4, "TMA": mode, "PART": int(sys.argv[4]) if len(sys.argv) > 4 else 0}
 descs = ["K_DESC", "V_DESC"]
 if not tma:
     consts.update({name: None for name in descs})
@@ -76,7 +76,17 @@ print("compiled")
     (causal, loads, 64) for causal in ("causal", "full") for loads in ("pointers", "tma", "tma-band")
 ] + [("causal", "tma-band", 80), ("full", "tma", 256)])
 def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
+    _compile(causal, loads, head_dim, part=0)
+
+
+# The dK/dV kernel's two-pass form (TileConfig.parts = 2): a dV-only and a dK-only variant, at d = 256.
+@pytest.mark.parametrize("part", [1, 2])
+def test_two_pass_dkdv_variants_compile_for_sm90(part):
+    _compile("causal", "pointers", 256, part=part)
+
+
+def _compile(causal, loads, head_dim, part):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads, str(head_dim)], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, causal, loads, str(head_dim), str(part)], env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -53,18 +53,24 @@ class TileConfig:
     forward / dQ kernel streams K and V (`tma`): 0 pointer loads; 1 TMA descriptors for the unmasked tiles,
     bounds-masked pointer loads for the diagonal band; 2 descriptors for the band too, where BLOCK_N divides
     N (else mode 1).  `flash_launch.use_tma` decides whether the tensors allow descriptors; the dK/dV kernel
-    has no descriptor path and ignores the field.  Text form: "64x128w4s3", with a trailing "t" for mode 1
-    ("64x128w4s3t") or "b" for mode 2 ("64x128w4s3b")."""
+    has no descriptor path and ignores the field.  `parts` (dK/dV kernel only; the others ignore it): 1
+    accumulates dK and dV in one program; 2 runs two passes over the same tiles, one accumulating dV and one
+    dK, so each program keeps one (BLOCK_N, d) float32 accumulator instead of two (it recomputes P, and the
+    dK pass dP, in each: 5 tile products instead of 4).  Text form: "64x128w4s3", with a trailing "t" for
+    mode 1 ("64x128w4s3t") or "b" for mode 2 ("64x128w4s3b"), then "p2" for two passes ("32x64w8s2p2")."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     tma: int = 0
+    parts: int = 1
 
     def __post_init__(self) -> None:
         if self.tma not in (0, 1, 2):
             raise ValueError(f"TileConfig.tma must be 0, 1 or 2; got {self.tma!r}")
+        if self.parts not in (1, 2):
+            raise ValueError(f"TileConfig.parts must be 1 or 2; got {self.parts!r}")
         object.__setattr__(self, "tma", int(self.tma))  # True / False -> 1 / 0
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
@@ -79,17 +85,21 @@ class TileConfig:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{TMA_SUFFIX[self.tma]}"
+        parts = "p2" if self.parts == 2 else ""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}{TMA_SUFFIX[self.tma]}{parts}"
 
     @classmethod
     def parse(cls, text: str) -> TileConfig:
-        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=1)."""
+        """Inverse of `short`: "128x64w4s3" -> TileConfig(128, 64, 4, 3); "64x128w4s3t" -> (..., tma=1);
+        "32x64w8s2p2" -> (..., parts=2)."""
         try:
-            tma = TMA_SUFFIX.index(text[-1]) if text[-1:] in TMA_SUFFIX[1:] else 0
-            tiles, rest = (text[:-1] if tma else text).split("w")
+            parts = 2 if text.endswith("p2") else 1
+            body = text[:-2] if parts == 2 else text
+            tma = TMA_SUFFIX.index(body[-1]) if body[-1:] in TMA_SUFFIX[1:] else 0
+            tiles, rest = (body[:-1] if tma else body).split("w")
             warps, stages = rest.split("s")
             block_m, block_n = tiles.split("x")
-            return cls(int(block_m), int(block_n), int(warps), int(stages), tma)
+            return cls(int(block_m), int(block_n), int(warps), int(stages), tma, parts)
         except ValueError as exc:
             raise ValueError(f"tile config {text!r} is not of the form <BLOCK_M>x<BLOCK_N>w<warps>s<stages>: {exc}") from None
 
@@ -251,7 +261,11 @@ WIDE_SEARCH_SPACE = {
     "fwd": _configs((64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2),
                     (64, 128, 8, 2), (32, 64, 4, 2)),
     "dkdv": _configs((16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 1),
-                     (64, 64, 8, 1), (64, 32, 8, 2)),
+                     (64, 64, 8, 1), (64, 32, 8, 2))
+    # two passes, one (BLOCK_N, 256) float32 accumulator each: wider key tiles without spilling
+    + tuple(TileConfig(m, n, w, s, parts=2) for m, n, w, s in ((32, 64, 4, 2), (64, 64, 4, 2), (32, 64, 8, 2),
+                                                               (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2),
+                                                               (64, 128, 8, 1))),
     "dq": _configs((64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 3), (128, 64, 8, 1),
                    (32, 32, 4, 3)),
 }

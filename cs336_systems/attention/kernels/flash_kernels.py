@@ -283,8 +283,9 @@ def flash_fwd_combine_kernel(
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
                start, end, n_queries, n_keys, qk_scale,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form."""
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+    """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form.
+    PART 0: both; 1: dV only (no dP, no delta); 2: dK only (the other accumulator is left as it came)."""
     d_col = offs_d[:, None] < HEAD_DIM
     d_row = offs_d[None, :] < HEAD_DIM
     for start_m in range(start, end, BLOCK_M):
@@ -296,10 +297,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
                    BLOCK_D)  # (BLOCK_M, BLOCK_D)
         if MASK:
             lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-            delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
         else:
             lse = tl.load(l_base + offs_m) * 1.4426950408889634
-            delta = tl.load(d_base + offs_m)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
         pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASK:
@@ -307,10 +306,16 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
             if CAUSAL:
                 visible = visible & (offs_m[None, :] >= offs_n[:, None])
             pT = tl.where(visible, pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
+        if PART != 2:
+            dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+        if PART != 1:
+            if MASK:
+                delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
+            else:
+                delta = tl.load(d_base + offs_m)
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
     return dk, dv
 
 
@@ -322,10 +327,14 @@ def flash_bwd_dkdv_kernel(
     n_queries, n_keys, heads, group, heads_per_split, stride_dks, stride_dvs,
     sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nk, BLOCK_N), BH_kv * (group // heads_per_split)).  K, V tile resident; loop over the
     query heads of this K/V head's share of the group, and over their query tiles; no atomics.
+
+    PART 0 computes and writes dK and dV; 1 only dV; 2 only dK (a launch of each is the two-pass form,
+    `TileConfig.parts`: one float32 accumulator per program, for d = 256).  The arithmetic of each output is
+    the same in every form, so the results are bit-equal.
 
     Grouped-query attention: program (n, kv * splits + s) sums dK and dV over query heads
     kv * group + s * heads_per_split ... + heads_per_split - 1 and writes the sum to DK + s * stride_dks
@@ -347,7 +356,10 @@ def flash_bwd_dkdv_kernel(
     cols = offs_n[:, None] < n_keys
     d_row = offs_d[None, :] < HEAD_DIM
     k = _load(K + z * stride_kz + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
-    v = _load(V + z * stride_vz + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    if PART != 1:
+        v = _load(V + z * stride_vz + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    else:  # the dV pass never reads V
+        v = k
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -370,24 +382,26 @@ def flash_bwd_dkdv_kernel(
         if CAUSAL:
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
                                 stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION,
-                                HEAD_DIM, BLOCK_D)
+                                HEAD_DIM, BLOCK_D, PART)
         # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
         if start_n + BLOCK_N <= n_keys:
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
                                 stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
-                                PRECISION, HEAD_DIM, BLOCK_D)
+                                PRECISION, HEAD_DIM, BLOCK_D, PART)
         else:
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
                                 stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                                PRECISION, HEAD_DIM, BLOCK_D)
+                                PRECISION, HEAD_DIM, BLOCK_D, PART)
         dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
                             stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                            PRECISION, HEAD_DIM, BLOCK_D)
+                            PRECISION, HEAD_DIM, BLOCK_D, PART)
 
-    _store(DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-           (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
-    _store(DV + split * stride_dvs + z * stride_dvz + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-           dv.to(DV.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
+    if PART != 1:
+        _store(DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn
+               + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
+    if PART != 2:
+        _store(DV + split * stride_dvs + z * stride_dvz + kvh * stride_dvh + offs_n[:, None] * stride_dvn
+               + offs_d[None, :], dv.to(DV.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

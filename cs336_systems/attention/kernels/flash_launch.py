@@ -245,6 +245,7 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
 
     ``splits`` (None: `group_splits`): programs per K/V tile, each summing group / splits query heads; above
     1 they write float32 partials to a (splits, Z, H_kv, Nk, d) workspace, summed here into dk and dv.
+    ``cfg.parts`` 2: two launches, dV then dK (`TileConfig`), bit-equal to one.
     """
     q, k, v, do, dk, dv = (as_4d(t) for t in (q, k, v, do, dk, dv))
     n_queries, d = q.shape[-2:]
@@ -261,12 +262,15 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
     else:
         dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
-    wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
-        q, k, v, do, lse, delta, dk_out, dv_out, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
-        *zhn_strides(do), *zhn_strides(dk_rows), *zhn_strides(dv_rows),
-        n_queries, n_keys, q.shape[1], group, group // splits, *split_strides, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=block_d(d), **cfg.launch_kwargs(),
-    )
+    # cfg.parts 2: a dV pass and a dK pass over the same grid, one float32 accumulator per program each
+    for part in ((1, 2) if cfg.parts == 2 else (0,)):
+        wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
+            q, k, v, do, lse, delta, dk_out, dv_out, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
+            *zhn_strides(do), *zhn_strides(dk_rows), *zhn_strides(dv_rows),
+            n_queries, n_keys, q.shape[1], group, group // splits, *split_strides, sm_scale=sm_scale,
+            qk_scale=sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=block_d(d),
+            PART=part, **cfg.launch_kwargs(),
+        )
     if splits > 1:
         for grad, partials in ((dk, dk_out), (dv, dv_out)):
             grad.copy_(partials.sum(0))
