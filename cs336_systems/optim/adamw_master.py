@@ -115,7 +115,8 @@ class AdamWMaster(torch.optim.Optimizer):
     lr, betas, eps, weight_decay: as `torch.optim.AdamW` (same defaults).  ``state[p]`` holds "step" (an int),
     "exp_avg" and "exp_avg_sq" (float32, from the first step) and, for a compute parameter, "master_lo"
     (int16, ``master_format`` "split") or "master" (float32, "float32").  ``master_format`` None: "split" for
-    a bf16 ``compute_dtype``, "float32" for fp16.
+    a bf16 ``compute_dtype``, "float32" for fp16.  With split masters the model's bf16 weights are half of
+    each master: a checkpoint needs the model's state dict as well as this optimizer's.
     """
 
     def __init__(
