@@ -57,8 +57,9 @@ def _adamw_kernel(
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     if SPLIT:
-        # hi = (bits + 0x8000) >> 16 (nearest, ties away from zero); lo = bits - (hi << 16), in [-2^15, 2^15)
-        bits = p.to(tl.uint32, bitcast=True)
+        # hi = (bits + 0x8000) >> 16 (nearest, ties away from zero); lo = bits - (hi << 16), in [-2^15, 2^15);
+        # a NaN as the quiet NaN 0x7FC00000, which the rounding cannot carry into a zero or an infinity
+        bits = tl.where(p != p, 0x7FC00000, p.to(tl.uint32, bitcast=True)).to(tl.uint32)
         hi = (bits + 0x8000) >> 16
         lo = (bits - (hi << 16)).to(tl.int32, bitcast=True).to(tl.int16)
         tl.store(w_ptr + offs, hi.to(tl.uint16).to(w_ptr.dtype.element_ty, bitcast=True), mask=mask)

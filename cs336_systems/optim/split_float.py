@@ -9,12 +9,13 @@ the bf16 weight already holds the upper half, and a 16-bit integer holds what ro
     hi  = (b + 0x8000) >> 16             the bf16 rounded to nearest, ties away from zero
     lo  = b - (hi << 16)                 in [-0x8000, 0x7FFF]: a signed 16-bit integer
 
-and the join (`join`) is b = (hi << 16) + lo, modulo 2^32, for every bit pattern (infinities and NaNs
-included): the round trip is exact.  ``hi`` is what `torch.Tensor.to(torch.bfloat16)` gives except on exact
-ties (the low 16 bits exactly 0x8000, one value in 65536), where torch rounds to even and this rounds away
-from zero: round-half-even would need lo = +0x8000 for half the ties, one value more than 16 bits hold.
-Also a NaN whose payload lies only in the low bits splits into an infinite ``hi`` (the master, joined,
-is still that NaN).
+and the join (`join`) is b = (hi << 16) + lo, modulo 2^32: the round trip is exact for every number
+(infinities, zeros of both signs and subnormals included).  A NaN is split as the canonical quiet NaN
+0x7FC00000 (hi NaN, lo 0): its payload is not kept, but it stays a NaN in the bf16 weight, where the
+bit arithmetic would otherwise carry some NaNs (0x7FFFFFFF, the one a GPU produces) into a zero or an
+infinity.  ``hi`` is what `torch.Tensor.to(torch.bfloat16)` gives except on exact ties (the low 16 bits
+exactly 0x8000, one value in 65536), where torch rounds to even and this rounds away from zero:
+round-half-even would need lo = +0x8000 for half the ties, one value more than 16 bits hold.
 
 `cs336_systems.optim.AdamWMaster` keeps its masters this way by default: 2 bytes an element fewer than a
 float32 copy beside the bf16 weight (6.3 GiB at 2.7B), and 2 bytes fewer read and written per update.
@@ -29,6 +30,7 @@ import torch
 _LOW = 1 << 16
 _HALF = 1 << 15
 _WORD = 1 << 32
+QUIET_NAN = 0x7FC00000  # what a NaN is split as
 
 
 def _to_int16(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,8 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``x`` (any shape) -> (hi: bf16, lo: int16), both of ``x``'s shape and contiguous."""
     if x.dtype != torch.float32:
         raise ValueError(f"split takes a float32 tensor, got dtype {x.dtype}")
-    b = x.contiguous().view(torch.int32).to(torch.int64) % _WORD  # the unsigned bit pattern
+    x = x.contiguous()
+    b = torch.where(torch.isnan(x), QUIET_NAN, x.view(torch.int32).to(torch.int64) % _WORD)  # unsigned bits
     r = b + _HALF
     hi = (r // _LOW) % _LOW
     lo = r % _LOW - _HALF

@@ -165,6 +165,11 @@ def evaluate(gates: list[dict], run: RunCases | list[dict], case_fields: set[str
                 checks.append(Check(gate["name"], label, None, bound, problem="; ".join(missing)))
                 continue
             a, b = (_statistic(entry, statistic) for _, _, entry in sides)
+            unrecorded = [f"{side} {matrix.case_id(case)}: no {statistic} recorded" for (side, case, _), value
+                          in zip(sides, (a, b)) if statistic in RESULT_STATISTICS and value is None]
+            if unrecorded:  # e.g. peak memory on a device that reports none: this pair cannot be judged
+                checks.append(Check(gate["name"], label, None, bound, problem="; ".join(unrecorded)))
+                continue
             if not _is_time(a) or not _is_time(b) or b <= 0:
                 raise ValueError(f"gate {gate['name']!r} ({label}): {statistic} is {a!r} / {b!r}; "
                                  "a ratio needs two non-negative values and a positive denominator")

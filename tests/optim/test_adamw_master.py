@@ -155,6 +155,28 @@ def test_split_kernel_keeps_every_master_bit_through_a_zero_update(patterns):
     assert torch.equal(hi.cpu().view(torch.int16), split_float.split(x)[0].view(torch.int16))
 
 
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_split_kernel_turns_a_nan_update_into_a_nan_weight():
+    # An inf gradient makes m = v = inf and the update inf / inf = NaN.  A GPU's NaN is 0x7FFFFFFF, whose bit
+    # rounding would carry into -0.0: the weight must come out NaN (the quiet NaN), as with float32 masters.
+    from cs336_systems.optim import adamw_kernel
+
+    hi, lo = (t.to(DEVICE) for t in split_float.split(torch.ones(3)))
+    m, v = torch.zeros(3, device=DEVICE), torch.zeros(3, device=DEVICE)
+    grad = torch.tensor([float("inf"), 1.0, float("nan")], dtype=torch.bfloat16, device=DEVICE)
+    adamw_kernel.adamw_update(None, grad, m, v, hi, lo=lo, decay=1.0, beta1=0.9, beta2=0.999, step_size=1e-3,
+                              sqrt_bias2=1.0, eps=1e-8)
+    assert torch.isnan(hi[[0, 2]]).all() and torch.isfinite(hi[1]) and (lo[[0, 2]] == 0).all()
+    # the master 0x7FFFFFFF itself (hi 0x8000, lo -1) through a zero update: still a NaN weight
+    hi = torch.tensor([-0x8000], dtype=torch.int16).view(torch.bfloat16).to(DEVICE)
+    lo = torch.tensor([-1], dtype=torch.int16, device=DEVICE)
+    assert torch.isnan(split_float.join(hi, lo)).all() and hi.item() == 0.0
+    adamw_kernel.adamw_update(None, torch.zeros(1, dtype=torch.bfloat16, device=DEVICE), torch.zeros(1, device=DEVICE),
+                              torch.zeros(1, device=DEVICE), hi, lo=lo, decay=1.0, beta1=0.9, beta2=0.999,
+                              step_size=0.0, sqrt_bias2=1.0, eps=1e-8)
+    assert torch.isnan(hi).all()
+
+
 def _train(weights: str, steps: int, precision: str = "bf16", fmt: str = "split"):
     """Losses of ``steps`` train steps of the tiny LM: float32 weights + torch AdamW, or bf16 compute weights +
     AdamWMaster; the same seed, data and hyperparameters."""
@@ -313,3 +335,32 @@ def test_split_master_keeps_only_the_low_bits_and_gives_back_the_exact_float32()
     assert torch.equal(p.detach().view(torch.int16), split_float.split(before)[0].view(torch.int16))
     assert AdamWMaster([torch.nn.Parameter(torch.randn(2))], compute_params=(),
                        compute_dtype=torch.float16).master_format == "float32"
+
+
+_SM90_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cs336_systems.optim import adamw_kernel
+
+sig = {"p_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32", "w_ptr": "*bf16", "lo_ptr": "*i16",
+       "n": "i32", **{name: "fp32" for name in ("decay", "beta2", "one_minus_beta1", "one_minus_beta2", "step_size",
+                                                 "sqrt_bias2", "eps")},
+       "HAS_COMPUTE_COPY": "constexpr", "SPLIT": "constexpr", "BLOCK": "constexpr"}
+for split in (True, False):
+    consts = {"HAS_COMPUTE_COPY": True, "SPLIT": split, "BLOCK": adamw_kernel.BLOCK}
+    triton.compile(ASTSource(fn=adamw_kernel._adamw_kernel, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90_in_both_master_formats():
+    # The interpreter runs numpy, not the GPU's code generation: compile the kernel ahead of time for Hopper
+    # (no GPU needed), so the split path's bit casts and integer arithmetic are known to lower.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -5,6 +5,7 @@ reason, and a gate with no selected pair is "not applicable", never a pass."""
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,9 +94,10 @@ def test_a_gate_can_bound_peak_memory_instead_of_time():
     entries[0]["peak_memory_gib"] = 4.2
     (check,) = gates.evaluate([gate], _run(entries), FIELDS)
     assert check.ratio == pytest.approx(1.05) and check.verdict == "VIOLATED"
-    del entries[1]["peak_memory_gib"]  # a case without the quantity cannot be judged on it
-    with pytest.raises(ValueError, match="peak_memory_gib is 4.2 / None; a ratio needs two non-negative values"):
-        gates.evaluate([gate], _run(entries), FIELDS)
+    del entries[1]["peak_memory_gib"]  # a case without the quantity cannot be judged on it: not measured
+    (check,) = gates.evaluate([gate], _run(entries), FIELDS)
+    assert check.verdict == "NOT MEASURED" and not check.ok
+    assert re.fullmatch(r"denominator sdpa-flash\S*: no peak_memory_gib recorded", check.problem), check.problem
     matrix.parse(_matrix_with(gate))
     with pytest.raises(matrix.MatrixError, match=r"gates\[0\]\.statistic: unknown value 'peak_memory'"):
         matrix.parse(_matrix_with({**gate, "statistic": "peak_memory"}))
