@@ -3,7 +3,8 @@
 end_to_end    size x context x batch x mode x precision x eager/compiled x implementation: our model ("own") or a
               baseline of the same size ("hf-llama": transformers' LlamaForCausalLM), timed in the same run
               x optimizer ("adamw": torch's fused AdamW, float32 weights; "adamw-master": bf16 compute weights,
-              float32 masters in cs336_systems.optim.AdamWMaster).
+              float32 masters in cs336_systems.optim.AdamWMaster, split into the weight and its low bits;
+              "adamw-master-fp32": the same with float32 copies as masters).
               A baseline whose package is missing is skipped with the install command as the reason.
 checkpointing the same step per activation-checkpointing policy (none, every-k, sqrt, nested): time and peak memory
 warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no warm-up the measured
