@@ -222,6 +222,13 @@ def _cool_down(config: pytest.Config, device: torch.device) -> dict:
     return {"cooldown_target_c": target, **(gpu_telemetry.cool_down(device, target, max_wait_s) or {})}
 
 
+def _gate_entry(case: dict, stats, extra_info: dict) -> dict:
+    """What the in-run gates judge of a timed case: its fields, its times, and the results a gate may bound
+    instead of time (`gates.RESULT_STATISTICS`, e.g. peak memory) where the case recorded them."""
+    return {**case, "stats": {"median": stats.median, "mean": stats.mean, "min": stats.min},
+            **{k: extra_info[k] for k in gates.RESULT_STATISTICS if k in extra_info}}
+
+
 @pytest.fixture
 def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
     """``bench(setup, *, case, flops_per_step=None, tokens=None, extra_info=None) -> Measurement``.
@@ -257,11 +264,7 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         stats = result.stats
         if result.peak_memory_bytes is not None:
             benchmark.extra_info["peak_memory_gib"] = result.peak_memory_bytes / 2**30
-        # what the in-run gates judge: the times, and the results a gate may bound (gates.RESULT_STATISTICS)
-        request.config.stash[RESULTS_KEY].append(
-            {**case, "stats": {"median": stats.median, "mean": stats.mean, "min": stats.min},
-             **{k: benchmark.extra_info[k] for k in gates.RESULT_STATISTICS if k in benchmark.extra_info}}
-        )
+        request.config.stash[RESULTS_KEY].append(_gate_entry(case, stats, benchmark.extra_info))
         if tokens is not None:
             benchmark.extra_info["tokens_per_s"] = tokens / median
         if flops_per_step is not None:
@@ -324,10 +327,7 @@ def dist_bench(benchmark, request: pytest.FixtureRequest, torchrun_context):
         if result.get("peak_memory_bytes") is not None:
             benchmark.extra_info["peak_memory_gib"] = result["peak_memory_bytes"] / 2**30
         stats = benchmarking.Stats.of(result["times_s"])
-        request.config.stash[RESULTS_KEY].append(
-            {**case, "stats": {"median": stats.median, "mean": stats.mean, "min": stats.min},
-             **{k: benchmark.extra_info[k] for k in gates.RESULT_STATISTICS if k in benchmark.extra_info}}
-        )
+        request.config.stash[RESULTS_KEY].append(_gate_entry(case, stats, benchmark.extra_info))
         return result
 
     return run

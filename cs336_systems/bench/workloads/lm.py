@@ -58,8 +58,8 @@ from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weight
 MODES = ("forward", "forward-backward", "train-step")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
-OPTIMIZERS = ("adamw", "adamw-master", "adamw-master-fp32")
 MASTER_FORMAT = {"adamw-master": "split", "adamw-master-fp32": "float32"}  # AdamWMaster's master_format
+OPTIMIZERS = ("adamw", *MASTER_FORMAT)
 DEFAULT_OPTIMIZER = "adamw"
 
 
