@@ -10,8 +10,9 @@ q, k, v.  Unmasked K/V tiles go through TMA descriptors only for contiguous K an
 
 Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv dividing Hq; query head h reads
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
-inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
-register tile with the padding columns masked (`flash_configs.block_d`).
+inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in two power-of-two
+register tiles side by side where that saves columns (80 = 64 + 16, 96 = 64 + 32, ...), else in the next
+power-of-two tile with the padding columns masked (`flash_configs.d_tiles`).
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).
@@ -54,7 +55,7 @@ from cs336_systems.attention.kernels import flash_kernels
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv, dims_text
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
-from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
+from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
 from cs336_systems.attention.kernels.flash_launch import direct
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
@@ -146,7 +147,7 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     on this device (then the traced path keeps the custom ops, which can pass descriptors): never where
     `flash_launch.tma_enabled` says no (pre-Hopper GPUs, ``CS336_FLASH_TMA=0``).  A constant to dynamo: it
     depends only on the static shape, the device, the environment and the configuration tables."""
-    if not launch.tma_enabled(device):
+    if not launch.tma_enabled(device) or d_tiles(d)[1]:  # a split head dim takes pointer loads
         return False
     cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
     return bool(cfg["fwd"].tma or cfg["dq"].tma)

@@ -48,10 +48,73 @@ HEAD_DIMS = [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]
 @given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31 - 1))
 def test_every_head_dim_matches_float64_reference(d, nq, nk, is_causal, dtype, seed):
-    """Head dims that are not a power of two run a padded register tile with masked columns: O, dQ, dK, dV
-    and L against float64, ragged lengths, Nq != Nk."""
+    """Head dims that are not a power of two run two register tiles side by side (80 = 64 + 16, ...) or one
+    padded tile with masked columns: O, dQ, dK, dV and L against float64, ragged lengths, Nq != Nk."""
     q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
     assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+def test_head_dim_tiles():
+    """Two power-of-two tiles where they cover d with fewer columns than the padded one, else the padded one."""
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, block_d, d_tiles
+
+    expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (32, 16), 48: (32, 16), 56: (64, 0), 64: (64, 0),
+                72: (64, 16), 80: (64, 16), 88: (64, 32), 96: (64, 32), 104: (128, 0), 112: (128, 0),
+                128: (128, 0), 136: (128, 16), 160: (128, 32), 192: (128, 64), 200: (256, 0), 256: (256, 0)}
+    for d, tiles in expected.items():
+        assert d_tiles(d) == tiles, d
+    for d in HEAD_DIMS:
+        first, second = d_tiles(d)
+        assert first + second >= d and first + second <= block_d(d)
+        assert second == 0 or (first < d and second >= 16 and second & (second - 1) == 0)
+
+
+def test_split_head_dim_switch(monkeypatch):
+    from cs336_systems.attention.kernels.flash_configs import d_tiles
+
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")
+    assert d_tiles(80) == (128, 0) and d_tiles(192) == (256, 0)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
+    assert d_tiles(80) == (64, 16)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "yes")
+    with pytest.raises(ValueError, match="CS336_FLASH_SPLIT_D must be 0 or 1, got 'yes'"):
+        d_tiles(80)
+
+
+@pytest.mark.parametrize("d", [48, 80, 192])
+@settings(max_examples=2, deadline=None)
+@given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31 - 1))
+def test_padded_head_dim_tiles_match_float64_reference(d, nq, nk, is_causal, dtype, seed):
+    """The one padded tile (CS336_FLASH_SPLIT_D=0, the A/B baseline of the split tiles) stays correct."""
+    q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CS336_FLASH_SPLIT_D", "0")
+        assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_split_head_dim_matches_the_padded_tile(d, monkeypatch):
+    """The split and the padded tile compute the same sums in another grouping: equal to float32 rounding,
+    through the key-split forward and the two-pass dK/dV as well."""
+    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.flash_configs import TileConfig
+
+    g = torch.Generator().manual_seed(d)
+    q, k, v, do = (torch.randn(1, 2, n, d, generator=g) for n in (70, 90, 90, 70))
+    results = {}
+    for split_d in ("0", "1"):
+        monkeypatch.setenv("CS336_FLASH_SPLIT_D", split_d)
+        for splits, parts in ((1, 1), (3, 2)):
+            o, lse = torch.empty_like(q), torch.empty(1, 2, 70)
+            flash_launch.forward(q, k, v, o, lse, True, TileConfig(32, 32, 4, 1), splits=splits)
+            delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            flash_launch.dq(q, k, v, do, lse, delta, dq, True, TileConfig(32, 32, 4, 1), o=o)
+            flash_launch.dkdv(q, k, v, do, lse, delta, dk, dv, True, TileConfig(32, 32, 4, 1, parts=parts))
+            results[split_d, splits] = (o, lse, dq, dk, dv)
+    for splits in (1, 3):
+        for a, b in zip(results["0", splits], results["1", splits]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=12, deadline=None)
@@ -727,3 +790,8 @@ def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors():
     with pytest.raises(ValueError, match=r"tma=1 needs contiguous k and v; got k strides \(4096, 32, 64, 1\)"):
         flash_launch.forward(q, strided, strided, torch.empty_like(q), torch.empty(1, 2, 64), True,
                              flash_configs.TileConfig(32, 32, 4, 1, 1), tma=1)
+    q80 = torch.randn(1, 2, 64, 80)  # d 80 runs split (64 + 16): the descriptors' boxes are one tile wide
+    with pytest.raises(ValueError, match=r"tma=2 needs a head dim that runs in one register tile; d=80 runs split"):
+        flash_launch.forward(q80, q80, q80, torch.empty_like(q80), torch.empty(1, 2, 64), True,
+                             flash_configs.TileConfig(32, 32, 4, 1, 2), tma=2)
+    assert flash_launch._kv_descriptors(q80, q80, flash_configs.TileConfig(32, 32, 4, 1, 2), None) == (0, None, None)

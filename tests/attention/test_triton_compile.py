@@ -23,13 +23,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cs336_systems.attention.kernels import flash_kernels as kernels
+from cs336_systems.attention.kernels.flash_configs import d_tiles
 
 causal = sys.argv[1] == "causal"
 tma = sys.argv[2] != "pointers"
 mode = {"pointers": 0, "tma": 1, "tma-band": 2}[sys.argv[2]]
 head_dim = int(sys.argv[3])
 block_d = max(16, 1 << (head_dim - 1).bit_length())
-consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": 64, "BLOCK_N": 64,
+# the launchers' register tiles: descriptors take the one padded tile, pointer loads the split ones
+tiles = (block_d, 0) if tma else d_tiles(head_dim)
+consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": tiles[0], "BLOCK_D2": tiles[1], "BLOCK_M": 64, "BLOCK_N": 64,
           "PRECISION": "tf32", "LONGEST_FIRST": True, "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634,
           "SPLITS": 4, "TMA": mode, "PART": int(sys.argv[4]) if len(sys.argv) > 4 else 0}
 descs = ["K_DESC", "V_DESC"]
@@ -64,25 +67,29 @@ compile_(kernels.flash_bwd_dq_kernel,
          ["sm_scale", "qk_scale"])
 compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
          strides + ["n_queries", "n_keys", "heads", "group"], ["qk_scale"])
+consts["BLOCK_D"] = block_d  # the combine kernel runs the padded tile
 compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
          zhn("o") + ["n_queries", "heads"], [])
 print("compiled")
 """
 
 
-# loads: pointers, descriptors for the unmasked tiles, for every tile; head dims 80 and 256 run padded
-# (128-wide tiles, TMA boxes wider than the rows) and 256-wide register tiles.
+# loads: pointers, descriptors for the unmasked tiles, for every tile; head dim 80 with descriptors runs
+# padded (a 128-wide tile, TMA boxes wider than the rows), with pointers split (64 + 16; 192 = 128 + 64),
+# and 256 in 256-wide register tiles.
 @pytest.mark.parametrize("causal, loads, head_dim", [
     (causal, loads, 64) for causal in ("causal", "full") for loads in ("pointers", "tma", "tma-band")
-] + [("causal", "tma-band", 80), ("full", "tma", 256)])
+] + [("causal", "tma-band", 80), ("causal", "pointers", 80), ("full", "pointers", 192), ("full", "tma", 256)])
 def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
     _compile(causal, loads, head_dim, part=0)
 
 
-# The dK/dV kernel's two-pass form (TileConfig.parts = 2): a dV-only and a dK-only variant, at d = 256.
+# The dK/dV kernel's two-pass form (TileConfig.parts = 2): a dV-only and a dK-only variant, at d = 256 and
+# at d = 192 (split: 128 + 64).
 @pytest.mark.parametrize("part", [1, 2])
-def test_two_pass_dkdv_variants_compile_for_sm90(part):
-    _compile("causal", "pointers", 256, part=part)
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_two_pass_dkdv_variants_compile_for_sm90(part, head_dim):
+    _compile("causal", "pointers", head_dim, part=part)
 
 
 def _compile(causal, loads, head_dim, part):

@@ -40,9 +40,34 @@ HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 def block_d(head_dim: int) -> int:
-    """The kernels' head-dim tile: the next power of two >= max(head_dim, 16) (tl.arange needs a power of
-    two, tl.dot a K of at least 16).  d = 80 and 96 run 128-wide tiles, 160 and 192 run 256-wide ones."""
+    """The head dim's padded tile: the next power of two >= max(head_dim, 16) (tl.arange needs a power of
+    two, tl.dot a K of at least 16).  Configurations are keyed by it (`ShapeKey`): d = 80 and 96 share d = 128's
+    tiles, 160 and 192 share d = 256's."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
+
+
+def d_tiles(head_dim: int) -> tuple[int, int]:
+    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): two power-of-two tiles side by side where
+    they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the next one >= the
+    rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64; else the one
+    padded tile and BLOCK_D2 = 0 (powers of two, and 24, 56, 104-120, 200-248, where two tiles save nothing).
+
+    Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators),
+    so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.
+    ``CS336_FLASH_SPLIT_D=0`` keeps the padded tile everywhere (for same-run A/B measurements).
+    """
+    whole = block_d(head_dim)
+    forced = os.environ.get(SPLIT_D_ENV, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
+    first = whole // 2
+    if forced == "0" or whole == head_dim or first < 16:
+        return whole, 0
+    second = block_d(head_dim - first)
+    return (first, second) if first + second < whole else (whole, 0)
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
 

@@ -38,17 +38,17 @@ MASKED = tl.constexpr(-1.0e6)  # after scaling; exp2(MASKED - m) == 0 in float32
 
 
 @triton.jit
-def _load(ptrs, rows_ok, d_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A tile load masked on rows (ROWS) and on the padded head-dim columns (BLOCK_D > HEAD_DIM) only
-    where needed: a mask the compiler cannot prove all-true would cost the unmasked tiles their
-    vectorized loads.  ``rows_ok`` and ``d_ok`` broadcast against ``ptrs``."""
+def _load(ptrs, rows_ok, d_ok, ROWS: tl.constexpr, PAD: tl.constexpr):
+    """A tile load masked on rows (ROWS) and on head-dim columns past d (PAD: the tile reaches past
+    HEAD_DIM) only where needed: a mask the compiler cannot prove all-true would cost the unmasked tiles
+    their vectorized loads.  ``rows_ok`` and ``d_ok`` broadcast against ``ptrs``."""
     if ROWS:
-        if BLOCK_D != HEAD_DIM:
+        if PAD:
             tile = tl.load(ptrs, mask=rows_ok & d_ok, other=0.0)
         else:
             tile = tl.load(ptrs, mask=rows_ok, other=0.0)
     else:
-        if BLOCK_D != HEAD_DIM:
+        if PAD:
             tile = tl.load(ptrs, mask=d_ok, other=0.0)
         else:
             tile = tl.load(ptrs)
@@ -56,26 +56,29 @@ def _load(ptrs, rows_ok, d_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _store(ptrs, value, rows_ok, d_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A row-masked tile store that also leaves the padding columns (BLOCK_D > HEAD_DIM) unwritten."""
-    if BLOCK_D != HEAD_DIM:
+def _store(ptrs, value, rows_ok, d_ok, PAD: tl.constexpr):
+    """A row-masked tile store that also leaves the columns past d (PAD) unwritten."""
+    if PAD:
         tl.store(ptrs, value, mask=rows_ok & d_ok)
     else:
         tl.store(ptrs, value, mask=rows_ok)
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-              start, end, n_keys, qk_scale,
+def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, offs_d2,
+              stride_kn, stride_vn, start, end, n_keys, qk_scale,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Online-softmax update of (acc, l_i, m_i) over key tiles [start, end).
+              TMA: tl.constexpr, HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr,
+              PAD2: tl.constexpr):
+    """Online-softmax update of (acc, acc2, l_i, m_i) over key tiles [start, end).
 
     TMA (0, 1, 2): 1: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor
     descriptors, row row0 + start_n, and masked tiles (diagonal band, ragged end) use pointer loads with
     bounds masks; 2 (only when BLOCK_N divides Nk, so no tile crosses into the next slice's rows): every
     tile through the descriptors, the masks applied to the scores only.  A descriptor's (BLOCK_N, BLOCK_D)
     box reads zeros past column d (the TMA engine's out-of-bounds fill), as the masked pointer loads do.
+    BLOCK_D2 > 0 (a split head dim; pointer loads only): K's and V's columns offs_d2 come as a second pair
+    of tiles, Q K^T sums the two tiles' products and acc2 holds O's columns offs_d2.
     """
     d_col = offs_d[:, None] < HEAD_DIM
     d_row = offs_d[None, :] < HEAD_DIM
@@ -83,13 +86,17 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
             k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
-                      True, HEAD_DIM, BLOCK_D)
+                      True, PAD)
         elif TMA > 0:
             k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N): K^T, transposed in shared memory
         else:
             k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
-                      False, HEAD_DIM, BLOCK_D)  # (BLOCK_D, BLOCK_N): K^T
+                      False, PAD)  # (BLOCK_D, BLOCK_N): K^T
         qk = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
+        if BLOCK_D2 > 0:
+            k2 = _load(k_base + offs_n[None, :] * stride_kn + offs_d2[:, None], offs_n[None, :] < n_keys,
+                       offs_d2[:, None] < HEAD_DIM, MASK, PAD2)  # (BLOCK_D2, BLOCK_N)
+            qk = tl.dot(q2, k2, acc=qk, input_precision=PRECISION)
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
@@ -106,16 +113,20 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, offs_m, of
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK and TMA < 2:
             v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
-                      True, HEAD_DIM, BLOCK_D)
+                      True, PAD)
         elif TMA > 0:
             v = v_desc.load([row0 + start_n, 0])
         else:
             v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
-                      False, HEAD_DIM, BLOCK_D)
+                      False, PAD)
         # P is cast to V's dtype before the second matmul (FA2): bf16/fp16 tensor-core inputs.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if BLOCK_D2 > 0:
+            v2 = _load(v_base + offs_n[:, None] * stride_vn + offs_d2[None, :], offs_n[:, None] < n_keys,
+                       offs_d2[None, :] < HEAD_DIM, MASK, PAD2)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
@@ -126,6 +137,7 @@ def flash_fwd_kernel(
     n_queries, n_keys, heads, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    BLOCK_D2: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  O = softmax(Q K^T / sqrt(d)) V and L = logsumexp row-wise.
 
@@ -133,6 +145,7 @@ def flash_fwd_kernel(
     tiles start first and the light ones fill the tail of the launch (longest-first scheduling;
     LONGEST_FIRST=False keeps the natural order, for measuring the difference).
     """
+    tl.static_assert(BLOCK_D2 == 0 or TMA == 0, "a split head dim takes pointer loads")
     pid_m = tl.program_id(0)
     if CAUSAL and LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -146,7 +159,8 @@ def flash_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    q_ptrs = Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn
+    q = _load(q_ptrs + offs_d[None, :], q_rows, d_row, True, BLOCK_D > HEAD_DIM)
     k_base = K + z * stride_kz + (h // group) * stride_kh
     v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
@@ -154,6 +168,14 @@ def flash_fwd_kernel(
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D2 > 0:  # a split head dim: columns [BLOCK_D, BLOCK_D + BLOCK_D2) in their own tiles
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        q2 = _load(q_ptrs + offs_d2[None, :], q_rows, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    else:  # placeholders, never read
+        offs_d2 = offs_d
+        q2 = q
+        acc2 = acc
 
     # Keys this query tile can see: all, or (causal) those j <= the tile's last query.
     if CAUSAL:
@@ -162,15 +184,21 @@ def flash_fwd_kernel(
     else:
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
+    acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                                    offs_d, offs_d2, stride_kn, stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL,
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
+                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+    acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                                    offs_d, offs_d2, stride_kn, stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL,
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
+                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
 
     o = acc / l_i[:, None]
-    _store(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
-           q_rows, d_row,
-           HEAD_DIM, BLOCK_D)
+    o_ptrs = O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on
+    _store(o_ptrs + offs_d[None, :], o.to(O.dtype.element_ty), q_rows, d_row, BLOCK_D > HEAD_DIM)
+    if BLOCK_D2 > 0:
+        _store(o_ptrs + offs_d2[None, :], (acc2 / l_i[:, None]).to(O.dtype.element_ty), q_rows,
+               offs_d2[None, :] < HEAD_DIM, BLOCK_D + BLOCK_D2 > HEAD_DIM)
     # natural-log logsumexp: ln(2) * (m2 + log2(l))
     tl.store(L + bh * n_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < n_queries)
 
@@ -182,6 +210,7 @@ def flash_fwd_split_kernel(
     n_queries, n_keys, heads, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
 
@@ -195,6 +224,7 @@ def flash_fwd_split_kernel(
     so its masked scores count as exp2(0) = 1 and its partial is garbage, but its L is ~MASKED (-1e6):
     weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
     """
+    tl.static_assert(BLOCK_D2 == 0 or TMA == 0, "a split head dim takes pointer loads")
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h
     z = bh // heads
@@ -208,7 +238,8 @@ def flash_fwd_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_rows = offs_m[:, None] < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], q_rows, d_row, True, HEAD_DIM, BLOCK_D)
+    q_ptrs = Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn
+    q = _load(q_ptrs + offs_d[None, :], q_rows, d_row, True, BLOCK_D > HEAD_DIM)
     k_base = K + z * stride_kz + (h // group) * stride_kh
     v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)  # this slice's first row in the (BH * Nk, d) descriptors
@@ -216,6 +247,14 @@ def flash_fwd_split_kernel(
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D2 > 0:  # a split head dim, as in the unsplit kernel
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        q2 = _load(q_ptrs + offs_d2[None, :], q_rows, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    else:  # placeholders, never read
+        offs_d2 = offs_d
+        q2 = q
+        acc2 = acc
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
@@ -228,15 +267,24 @@ def flash_fwd_split_kernel(
     end = tl.minimum(lo + chunk, hi)
     # [lo, end) split at full_end into unmasked tiles and tiles needing the mask (both may be empty)
     mid = tl.maximum(tl.minimum(full_end, end), lo)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              lo, mid, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
-    acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn, stride_vn,
-                              mid, end, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
+    acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                                    offs_d, offs_d2, stride_kn, stride_vn, lo, mid, n_keys, qk_scale, False, CAUSAL,
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
+                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+    acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                                    offs_d, offs_d2, stride_kn, stride_vn, mid, end, n_keys, qk_scale, True, CAUSAL,
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
+                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
 
     seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    norm = tl.where(seen, l_i, 1.0)[:, None]
+    o = acc / norm
     part = (split * n_bh + bh) * n_queries
-    _store(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], o, q_rows, d_row, HEAD_DIM, BLOCK_D)
+    o_ptrs = O_PART + (part + offs_m[:, None]) * HEAD_DIM
+    _store(o_ptrs + offs_d[None, :], o, q_rows, d_row, BLOCK_D > HEAD_DIM)
+    if BLOCK_D2 > 0:
+        _store(o_ptrs + offs_d2[None, :], acc2 / norm, q_rows, offs_d2[None, :] < HEAD_DIM,
+               BLOCK_D + BLOCK_D2 > HEAD_DIM)
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(L_PART + part + offs_m, lse2, mask=offs_m < n_queries)
 
@@ -248,7 +296,8 @@ def flash_fwd_combine_kernel(
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH): O = sum_s w_s O_s, w_s = 2^(L_s - L), L = log2 sum_s 2^L_s (then in
     natural-log units, as the unsplit kernel stores it).  Every row sees at least one key (Nk >= 1; causal
-    rows see key 0), so some L_s is finite."""
+    rows see key 0), so some L_s is finite.  BLOCK_D is the padded power of two >= d (a memory-bound kernel:
+    the padding costs no traffic)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n_bh = tl.num_programs(1)
@@ -268,39 +317,47 @@ def flash_fwd_combine_kernel(
         part = (s * n_bh + bh) * n_queries
         w = tl.math.exp2(tl.load(L_PART + part + offs_m, mask=rows, other=float("-inf")) - m)
         o_s = _load(O_PART + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], rows[:, None], d_row, True,
-                    HEAD_DIM, BLOCK_D)
+                    BLOCK_D > HEAD_DIM)
         acc += w[:, None] * o_s
         total += w
     total = tl.where(total > 0.0, total, 1.0)
     o = acc / total[:, None]
     _store(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], o.to(O.dtype.element_ty),
-           rows[:, None],
-           d_row, HEAD_DIM, BLOCK_D)
+           rows[:, None], d_row, BLOCK_D > HEAD_DIM)
     tl.store(L + bh * n_queries + offs_m, (m + tl.math.log2(total)) * 0.6931471805599453, mask=rows)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn, stride_don,
-               start, end, n_queries, n_keys, qk_scale,
+def _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, offs_d2,
+               stride_qn, stride_don, start, end, n_queries, n_keys, qk_scale,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+               HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr, PAD2: tl.constexpr,
+               PART: tl.constexpr):
     """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form.
-    PART 0: both; 1: dV only (no dP, no delta); 2: dK only (the other accumulator is left as it came)."""
+    PART 0: both; 1: dV only (no dP, no delta); 2: dK only (the other accumulator is left as it came).
+    BLOCK_D2 > 0: a split head dim, the columns offs_d2 in their own tiles (k2, v2; dk2, dv2)."""
     d_col = offs_d[:, None] < HEAD_DIM
     d_row = offs_d[None, :] < HEAD_DIM
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
         rows = offs_m < n_queries
-        qT = _load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], rows[None, :], d_col, MASK, HEAD_DIM,
-                   BLOCK_D)  # (BLOCK_D, BLOCK_M)
-        do = _load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, MASK, HEAD_DIM,
-                   BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        qT = _load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], rows[None, :], d_col, MASK,
+                   PAD)  # (BLOCK_D, BLOCK_M)
+        do = _load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, MASK,
+                   PAD)  # (BLOCK_M, BLOCK_D)
         if MASK:
             lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
         else:
             lse = tl.load(l_base + offs_m) * 1.4426950408889634
+        sT = tl.dot(k, qT, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        if BLOCK_D2 > 0:
+            qT2 = _load(q_base + offs_m[None, :] * stride_qn + offs_d2[:, None], rows[None, :],
+                        offs_d2[:, None] < HEAD_DIM, MASK, PAD2)
+            do2 = _load(do_base + offs_m[:, None] * stride_don + offs_d2[None, :], rows[:, None],
+                        offs_d2[None, :] < HEAD_DIM, MASK, PAD2)
+            sT = tl.dot(k2, qT2, acc=sT, input_precision=PRECISION)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
-        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse[None, :])
+        pT = tl.math.exp2(sT * qk_scale - lse[None, :])
         if MASK:
             visible = (offs_m[None, :] < n_queries) & (offs_n[:, None] < n_keys)
             if CAUSAL:
@@ -308,15 +365,21 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, o
             pT = tl.where(visible, pT, 0.0)
         if PART != 2:
             dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+            if BLOCK_D2 > 0:
+                dv2 += tl.dot(pT.to(do2.dtype), do2, input_precision=PRECISION)
         if PART != 1:
             if MASK:
                 delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
             else:
                 delta = tl.load(d_base + offs_m)
             dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+            if BLOCK_D2 > 0:
+                dpT = tl.dot(v2, tl.trans(do2), acc=dpT, input_precision=PRECISION)
             dsT = pT * (dpT - delta[None, :])
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)
-    return dk, dv
+            if BLOCK_D2 > 0:
+                dk2 += tl.dot(dsT.to(qT2.dtype), tl.trans(qT2), input_precision=PRECISION)
+    return dk, dv, dk2, dv2
 
 
 @triton.jit
@@ -327,7 +390,7 @@ def flash_bwd_dkdv_kernel(
     n_queries, n_keys, heads, group, heads_per_split, stride_dks, stride_dvs,
     sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr = 0,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr = 0, BLOCK_D2: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nk, BLOCK_N), BH_kv * (group // heads_per_split)).  K, V tile resident; loop over the
     query heads of this K/V head's share of the group, and over their query tiles; no atomics.
@@ -355,13 +418,31 @@ def flash_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     cols = offs_n[:, None] < n_keys
     d_row = offs_d[None, :] < HEAD_DIM
-    k = _load(K + z * stride_kz + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+    k_ptrs = K + z * stride_kz + kvh * stride_kh + offs_n[:, None] * stride_kn
+    k = _load(k_ptrs + offs_d[None, :], cols, d_row, True, BLOCK_D > HEAD_DIM)
+    v_ptrs = V + z * stride_vz + kvh * stride_vh + offs_n[:, None] * stride_vn
     if PART != 1:
-        v = _load(V + z * stride_vz + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], cols, d_row, True, HEAD_DIM, BLOCK_D)
+        v = _load(v_ptrs + offs_d[None, :], cols, d_row, True, BLOCK_D > HEAD_DIM)
     else:  # the dV pass never reads V
         v = k
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D2 > 0:  # a split head dim: columns [BLOCK_D, BLOCK_D + BLOCK_D2) in their own tiles
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        k2 = _load(k_ptrs + offs_d2[None, :], cols, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        if PART != 1:
+            v2 = _load(v_ptrs + offs_d2[None, :], cols, offs_d2[None, :] < HEAD_DIM, True,
+                       BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        else:
+            v2 = k2
+        dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
+        dv2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
+    else:  # placeholders, never read
+        offs_d2 = offs_d
+        k2 = k
+        v2 = v
+        dk2 = dk
+        dv2 = dv
 
     if CAUSAL:
         # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
@@ -380,62 +461,86 @@ def flash_bwd_dkdv_kernel(
         l_base = L + bh * n_queries
         d_base = Dvec + bh * n_queries
         if CAUSAL:
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                                stride_don, lo, band_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION,
-                                HEAD_DIM, BLOCK_D, PART)
+            dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
+                                          offs_m0, offs_d, offs_d2, stride_qn, stride_don, lo, band_end, n_queries,
+                                          n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
+                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
         # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
         if start_n + BLOCK_N <= n_keys:
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                                stride_don, band_end, full_end, n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M,
-                                PRECISION, HEAD_DIM, BLOCK_D, PART)
+            dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
+                                          offs_m0, offs_d, offs_d2, stride_qn, stride_don, band_end, full_end,
+                                          n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
+                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
         else:
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                                stride_don, band_end, full_end, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                                PRECISION, HEAD_DIM, BLOCK_D, PART)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, stride_qn,
-                            stride_don, full_end, n_queries, n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M,
-                            PRECISION, HEAD_DIM, BLOCK_D, PART)
+            dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
+                                          offs_m0, offs_d, offs_d2, stride_qn, stride_don, band_end, full_end,
+                                          n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
+                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
+        dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
+                                      offs_m0, offs_d, offs_d2, stride_qn, stride_don, full_end, n_queries, n_queries,
+                                      n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
+                                      BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
 
     if PART != 1:
-        _store(DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn
-               + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
+        dk_ptrs = DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn
+        _store(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, BLOCK_D > HEAD_DIM)
+        if BLOCK_D2 > 0:
+            _store(dk_ptrs + offs_d2[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty), cols,
+                   offs_d2[None, :] < HEAD_DIM, BLOCK_D + BLOCK_D2 > HEAD_DIM)
     if PART != 2:
-        _store(DV + split * stride_dvs + z * stride_dvz + kvh * stride_dvh + offs_n[:, None] * stride_dvn
-               + offs_d[None, :], dv.to(DV.dtype.element_ty), cols, d_row, HEAD_DIM, BLOCK_D)
+        dv_ptrs = DV + split * stride_dvs + z * stride_dvz + kvh * stride_dvh + offs_n[:, None] * stride_dvn
+        _store(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), cols, d_row, BLOCK_D > HEAD_DIM)
+        if BLOCK_D2 > 0:
+            _store(dv_ptrs + offs_d2[None, :], dv2.to(DV.dtype.element_ty), cols, offs_d2[None, :] < HEAD_DIM,
+                   BLOCK_D + BLOCK_D2 > HEAD_DIM)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, stride_kn,
-             stride_vn, start, end, n_keys, qk_scale,
+def _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d,
+             offs_d2, stride_kn, stride_vn, start, end, n_keys, qk_scale,
              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-             TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA: as in `_fwd_tile`)."""
+             TMA: tl.constexpr, HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr,
+             PAD2: tl.constexpr):
+    """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA and BLOCK_D2: as in
+    `_fwd_tile`; dq2 holds dQ's columns offs_d2)."""
     d_col = offs_d[:, None] < HEAD_DIM
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
             kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
-                       HEAD_DIM, BLOCK_D)
+                       PAD)
             vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
-                       HEAD_DIM, BLOCK_D)
+                       PAD)
         elif TMA > 0:
             kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N)
             vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
             kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
-                       HEAD_DIM, BLOCK_D)  # (BLOCK_D, BLOCK_N)
+                       PAD)  # (BLOCK_D, BLOCK_N)
             vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
-                       HEAD_DIM, BLOCK_D)
-        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+                       PAD)
+        s = tl.dot(q, kT, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
+        if BLOCK_D2 > 0:
+            d2_col = offs_d2[:, None] < HEAD_DIM
+            kT2 = _load(k_base + offs_n[None, :] * stride_kn + offs_d2[:, None], offs_n[None, :] < n_keys, d2_col,
+                        MASK, PAD2)  # (BLOCK_D2, BLOCK_N)
+            vT2 = _load(v_base + offs_n[None, :] * stride_vn + offs_d2[:, None], offs_n[None, :] < n_keys, d2_col,
+                        MASK, PAD2)
+            s = tl.dot(q2, kT2, acc=s, input_precision=PRECISION)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
             visible = offs_n[None, :] < n_keys
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
+        if BLOCK_D2 > 0:
+            dp = tl.dot(do2, vT2, acc=dp, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)
-    return dq
+        if BLOCK_D2 > 0:
+            dq2 += tl.dot(ds.to(kT2.dtype), tl.trans(kT2), input_precision=PRECISION)
+    return dq, dq2
 
 
 @triton.jit
@@ -446,6 +551,7 @@ def flash_bwd_dq_kernel(
     n_queries, n_keys, heads, group, sm_scale: tl.constexpr, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, LONGEST_FIRST: tl.constexpr = True,
+    BLOCK_D2: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH).  Q, dO resident; loop over key tiles; no atomics.
 
@@ -454,6 +560,7 @@ def flash_bwd_dq_kernel(
     (each row belongs to exactly one program), used here and stored to Dvec for the dK/dV kernel, which
     runs after this one.  No separate preprocess launch.
     """
+    tl.static_assert(BLOCK_D2 == 0 or TMA == 0, "a split head dim takes pointer loads")
     pid_m = tl.program_id(0)
     if CAUSAL and LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -467,16 +574,30 @@ def flash_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m < n_queries
     d_row = offs_d[None, :] < HEAD_DIM
-    q = _load(Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], rows[:, None], d_row, True,
-              HEAD_DIM, BLOCK_D)
-    do = _load(DO + z * stride_doz + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, True,
-               HEAD_DIM, BLOCK_D)
+    q_ptrs = Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qn
+    q = _load(q_ptrs + offs_d[None, :], rows[:, None], d_row, True, BLOCK_D > HEAD_DIM)
+    do_ptrs = DO + z * stride_doz + h * stride_doh + offs_m[:, None] * stride_don
+    do = _load(do_ptrs + offs_d[None, :], rows[:, None], d_row, True, BLOCK_D > HEAD_DIM)
     lse2 = tl.load(L + bh * n_queries + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-    o = _load(O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], rows[:, None], d_row, True,
-              HEAD_DIM, BLOCK_D)
+    o_ptrs = O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on
+    o = _load(o_ptrs + offs_d[None, :], rows[:, None], d_row, True, BLOCK_D > HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if BLOCK_D2 > 0:  # a split head dim: columns [BLOCK_D, BLOCK_D + BLOCK_D2) in their own tiles
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        d2_row = offs_d2[None, :] < HEAD_DIM
+        q2 = _load(q_ptrs + offs_d2[None, :], rows[:, None], d2_row, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        do2 = _load(do_ptrs + offs_d2[None, :], rows[:, None], d2_row, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        o2 = _load(o_ptrs + offs_d2[None, :], rows[:, None], d2_row, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        delta += tl.sum(o2.to(tl.float32) * do2.to(tl.float32), 1)
     tl.store(Dvec + bh * n_queries + offs_m, delta, mask=rows)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D2 > 0:
+        dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    else:  # placeholders, never read
+        offs_d2 = offs_d
+        q2 = q
+        do2 = do
+        dq2 = dq
     k_base = K + z * stride_kz + (h // group) * stride_kh
     v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)
@@ -487,9 +608,14 @@ def flash_bwd_dq_kernel(
     else:
         hi = n_keys
         full_end = n_keys // BLOCK_N * BLOCK_N
-    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
-                  stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
-    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0, offs_d, stride_kn,
-                  stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D)
-    _store(DQ + z * stride_dqz + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
-           (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], d_row, HEAD_DIM, BLOCK_D)
+    dq, dq2 = _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                       offs_d, offs_d2, stride_kn, stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N,
+                       PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+    dq, dq2 = _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
+                       offs_d, offs_d2, stride_kn, stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N,
+                       PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+    dq_ptrs = DQ + z * stride_dqz + h * stride_dqh + offs_m[:, None] * stride_dqn
+    _store(dq_ptrs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], d_row, BLOCK_D > HEAD_DIM)
+    if BLOCK_D2 > 0:
+        _store(dq_ptrs + offs_d2[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty), rows[:, None],
+               offs_d2[None, :] < HEAD_DIM, BLOCK_D + BLOCK_D2 > HEAD_DIM)

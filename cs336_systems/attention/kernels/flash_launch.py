@@ -26,7 +26,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention.kernels import flash_kernels as kernels
-from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, fp32_dot
+from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, d_tiles, fp32_dot
 
 LOG2E = 1.4426950408889634
 
@@ -102,7 +102,13 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
     mode where `use_tma` allows descriptors (else 0); 0 / 1 / 2 force it.  Mode 2 (the diagonal band's tiles
     through the descriptors too) falls back to 1 unless BLOCK_N divides N: a band tile crossing N would read
     the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
-    in mode 0."""
+    in mode 0.  A head dim split over two register tiles (`d_tiles`) takes pointer loads: the descriptors'
+    boxes are one tile wide (forcing 1 or 2 there is a ValueError)."""
+    if d_tiles(k.shape[-1])[1]:
+        if tma:
+            raise ValueError(f"tma={tma} needs a head dim that runs in one register tile; d={k.shape[-1]} runs "
+                             f"split as {d_tiles(k.shape[-1])} (CS336_FLASH_SPLIT_D=0 keeps one padded tile)")
+        return 0, None, None
     if tma is None:
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
     if tma not in (0, 1, 2):
@@ -187,14 +193,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
+    tiles = d_tiles(d)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
         wrap(kernels.flash_fwd_split_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh, splits)](
             q, k, v, o_part, l_part, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
             n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
-            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, BLOCK_D=block_d(d),
-            **cfg.launch_kwargs(),
+            CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, BLOCK_D=tiles[0],
+            BLOCK_D2=tiles[1], **cfg.launch_kwargs(),
         )
         combine_rows = 64 if d <= 64 else (32 if d <= 128 else 16)  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
@@ -206,7 +213,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     wrap(kernels.flash_fwd_kernel)[grid](
         q, k, v, o, lse, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v), *zhn_strides(o),
         n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=tiles[0], BLOCK_D2=tiles[1],
         LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
 
@@ -262,14 +269,15 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
     else:
         dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
+    tiles = d_tiles(d)
     # cfg.parts 2: a dV pass and a dK pass over the same grid, one float32 accumulator per program each
     for part in ((1, 2) if cfg.parts == 2 else (0,)):
         wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
             q, k, v, do, lse, delta, dk_out, dv_out, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
             *zhn_strides(do), *zhn_strides(dk_rows), *zhn_strides(dv_rows),
             n_queries, n_keys, q.shape[1], group, group // splits, *split_strides, sm_scale=sm_scale,
-            qk_scale=sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=block_d(d),
-            PART=part, **cfg.launch_kwargs(),
+            qk_scale=sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), BLOCK_D=tiles[0],
+            BLOCK_D2=tiles[1], PART=part, **cfg.launch_kwargs(),
         )
     if splits > 1:
         for grad, partials in ((dk, dk_out), (dv, dv_out)):
@@ -286,10 +294,11 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
+    tiles = d_tiles(d)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
         *zhn_strides(do), *zhn_strides(dq_out), *zhn_strides(o),
         n_queries, k.shape[-2], q.shape[1], group, sm_scale=sm_scale, qk_scale=sm_scale * LOG2E,
-        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=block_d(d),
+        CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=tiles[0], BLOCK_D2=tiles[1],
         LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
