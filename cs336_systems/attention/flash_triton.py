@@ -147,7 +147,7 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     on this device (then the traced path keeps the custom ops, which can pass descriptors): never where
     `flash_launch.tma_enabled` says no (pre-Hopper GPUs, ``CS336_FLASH_TMA=0``).  A constant to dynamo: it
     depends only on the static shape, the device, the environment and the configuration tables."""
-    if not launch.tma_enabled(device) or d_tiles(d)[1]:  # a split head dim takes pointer loads
+    if not launch.tma_enabled(device) or d_tiles(d, dtype)[1]:  # a split head dim takes pointer loads
         return False
     cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
     return bool(cfg["fwd"].tma or cfg["dq"].tma)

@@ -62,9 +62,10 @@ def test_head_dim_tiles():
                 72: (64, 16), 80: (64, 16), 88: (64, 32), 96: (64, 32), 104: (128, 0), 112: (128, 0),
                 128: (128, 0), 136: (128, 16), 160: (128, 32), 192: (128, 64), 200: (256, 0), 256: (256, 0)}
     for d, tiles in expected.items():
-        assert d_tiles(d) == tiles, d
+        assert d_tiles(d, torch.bfloat16) == d_tiles(d, torch.float16) == tiles, d
+        assert d_tiles(d, torch.float32) == (block_d(d), 0)  # float32 keeps the padded tile
     for d in HEAD_DIMS:
-        first, second = d_tiles(d)
+        first, second = d_tiles(d, torch.bfloat16)
         assert first + second >= d and first + second <= block_d(d)
         assert second == 0 or (first < d and second >= 16 and second & (second - 1) == 0)
 
@@ -73,20 +74,21 @@ def test_split_head_dim_switch(monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")
-    assert d_tiles(80) == (128, 0) and d_tiles(192) == (256, 0)
+    assert d_tiles(80, torch.bfloat16) == (128, 0) and d_tiles(192, torch.float16) == (256, 0)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
-    assert d_tiles(80) == (64, 16)
+    assert d_tiles(80, torch.bfloat16) == (64, 16)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "yes")
     with pytest.raises(ValueError, match="CS336_FLASH_SPLIT_D must be 0 or 1, got 'yes'"):
-        d_tiles(80)
+        d_tiles(80, torch.bfloat16)
 
 
 @pytest.mark.parametrize("d", [48, 80, 192])
 @settings(max_examples=2, deadline=None)
-@given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31 - 1))
-def test_padded_head_dim_tiles_match_float64_reference(d, nq, nk, is_causal, dtype, seed):
-    """The one padded tile (CS336_FLASH_SPLIT_D=0, the A/B baseline of the split tiles) stays correct."""
+@given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_padded_head_dim_tiles_match_float64_reference(d, nq, nk, is_causal, seed):
+    """The one padded tile in 16-bit types (CS336_FLASH_SPLIT_D=0, the A/B baseline of the split tiles) stays
+    correct (float32 always runs it)."""
+    dtype = torch.float16
     q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CS336_FLASH_SPLIT_D", "0")
@@ -95,13 +97,15 @@ def test_padded_head_dim_tiles_match_float64_reference(d, nq, nk, is_causal, dty
 
 @pytest.mark.parametrize("d", [80, 96])
 def test_split_head_dim_matches_the_padded_tile(d, monkeypatch):
-    """The split and the padded tile compute the same sums in another grouping: equal to float32 rounding,
-    through the key-split forward and the two-pass dK/dV as well."""
+    """The split and the padded tile compute the same sums in another grouping: equal up to float32
+    accumulation order and the fp16 rounding of the outputs, through the key-split forward and the two-pass
+    dK/dV as well (fp16: float32 inputs keep the padded tile)."""
     from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import TileConfig
+    from cs336_systems.attention.kernels.flash_configs import TileConfig, d_tiles
 
+    assert d_tiles(d, torch.float16)[1]
     g = torch.Generator().manual_seed(d)
-    q, k, v, do = (torch.randn(1, 2, n, d, generator=g) for n in (70, 90, 90, 70))
+    q, k, v, do = (torch.randn(1, 2, n, d, generator=g).half() for n in (70, 90, 90, 70))
     results = {}
     for split_d in ("0", "1"):
         monkeypatch.setenv("CS336_FLASH_SPLIT_D", split_d)
@@ -114,7 +118,7 @@ def test_split_head_dim_matches_the_padded_tile(d, monkeypatch):
             results[split_d, splits] = (o, lse, dq, dk, dv)
     for splits in (1, 3):
         for a, b in zip(results["0", splits], results["1", splits]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
 
 
 @settings(max_examples=12, deadline=None)
@@ -790,7 +794,7 @@ def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors():
     with pytest.raises(ValueError, match=r"tma=1 needs contiguous k and v; got k strides \(4096, 32, 64, 1\)"):
         flash_launch.forward(q, strided, strided, torch.empty_like(q), torch.empty(1, 2, 64), True,
                              flash_configs.TileConfig(32, 32, 4, 1, 1), tma=1)
-    q80 = torch.randn(1, 2, 64, 80)  # d 80 runs split (64 + 16): the descriptors' boxes are one tile wide
+    q80 = torch.randn(1, 2, 64, 80).half()  # d 80 runs split (64 + 16): the descriptors' boxes are one tile wide
     with pytest.raises(ValueError, match=r"tma=2 needs a head dim that runs in one register tile; d=80 runs split"):
         flash_launch.forward(q80, q80, q80, torch.empty_like(q80), torch.empty(1, 2, 64), True,
                              flash_configs.TileConfig(32, 32, 4, 1, 2), tma=2)

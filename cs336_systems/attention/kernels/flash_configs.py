@@ -49,11 +49,13 @@ def block_d(head_dim: int) -> int:
 SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 
 
-def d_tiles(head_dim: int) -> tuple[int, int]:
-    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): two power-of-two tiles side by side where
-    they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the next one >= the
-    rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64; else the one
-    padded tile and BLOCK_D2 = 0 (powers of two, and 24, 56, 104-120, 200-248, where two tiles save nothing).
+def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2) for 16-bit inputs: two power-of-two tiles side
+    by side where they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the
+    next one >= the rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64;
+    else the one padded tile and BLOCK_D2 = 0 (powers of two, and 24, 56, 104-120, 200-248, where two tiles
+    save nothing).  float32 (tf32x3 or IEEE dots) keeps the padded tile: its split kernels ran into illegal
+    memory accesses on an H100 (Triton 3.6; docs/flash-attention.md, Section 13).
 
     Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators),
     so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.
@@ -64,7 +66,7 @@ def d_tiles(head_dim: int) -> tuple[int, int]:
     if forced not in ("", "0", "1"):
         raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
     first = whole // 2
-    if forced == "0" or whole == head_dim or first < 16:
+    if forced == "0" or whole == head_dim or first < 16 or dtype == torch.float32:
         return whole, 0
     second = block_d(head_dim - first)
     return (first, second) if first + second < whole else (whole, 0)

@@ -104,10 +104,11 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
     the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
     in mode 0.  A head dim split over two register tiles (`d_tiles`) takes pointer loads: the descriptors'
     boxes are one tile wide (forcing 1 or 2 there is a ValueError)."""
-    if d_tiles(k.shape[-1])[1]:
+    tiles = d_tiles(k.shape[-1], k.dtype)
+    if tiles[1]:
         if tma:
             raise ValueError(f"tma={tma} needs a head dim that runs in one register tile; d={k.shape[-1]} runs "
-                             f"split as {d_tiles(k.shape[-1])} (CS336_FLASH_SPLIT_D=0 keeps one padded tile)")
+                             f"split as {tiles} (CS336_FLASH_SPLIT_D=0 keeps one padded tile)")
         return 0, None, None
     if tma is None:
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
@@ -193,7 +194,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
-    tiles = d_tiles(d)
+    tiles = d_tiles(d, q.dtype)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
@@ -269,7 +270,7 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
     else:
         dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
-    tiles = d_tiles(d)
+    tiles = d_tiles(d, q.dtype)
     # cfg.parts 2: a dV pass and a dK pass over the same grid, one float32 accumulator per program each
     for part in ((1, 2) if cfg.parts == 2 else (0,)):
         wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
@@ -294,7 +295,7 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
-    tiles = d_tiles(d)
+    tiles = d_tiles(d, q.dtype)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
         *zhn_strides(do), *zhn_strides(dq_out), *zhn_strides(o),
