@@ -17,7 +17,8 @@ efficiency decides.  `ShapeKey` buckets exactly those parameters.
 Choice, first match wins (`flash_autotune.select`):
   1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
   2. `TUNED`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.flash_autotune`
-     and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one;
+     and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one, and a
+     split head-dim width with no entries of its own (d = 80 runs 64 + 16 columns) its padded width's (128);
   3. `default_config`: a conservative heuristic that fits every NVIDIA GPU from sm_80 on.
 Under the Triton interpreter the tiles are fixed small (32 x 32): the interpreter runs each program as numpy
 ops, and the property tests want many programs, ragged edges and several tiles per row, not speed.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -171,7 +172,8 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class ShapeKey:
-    """What a configuration is tuned for: head-dim tile (`block_d`), dtype class, causal, N bucket, B*H bucket."""
+    """What a configuration is tuned for: the kernels' head-dim register width (`d_tiles`), dtype class, causal,
+    N bucket, B*H bucket."""
 
     head_dim: int
     dtype: str
@@ -181,10 +183,12 @@ class ShapeKey:
 
     @classmethod
     def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
-        """The key of a call: its head dim is the kernels' tile width `block_d(head_dim)` (what registers and
-        shared memory depend on), so d = 80 and d = 128 share configurations."""
+        """The key of a call: its head dim is the kernels' register width, the columns of `d_tiles(head_dim,
+        dtype)` (what registers and shared memory depend on): d = 112 and 128 share configurations (one 128-wide
+        tile), d = 80 in 16-bit types has its own (64 + 16 columns), d = 80 in float32 shares d = 128's."""
         n = max(n_queries, n_keys)
-        return cls(block_d(head_dim), dtype_class(dtype), bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
+        cls_ = dtype_class(dtype)  # first: it names an unsupported dtype
+        return cls(sum(d_tiles(head_dim, dtype)), cls_, bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
 
     def text(self) -> str:
         return f"d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}-n{self.n_bucket}-bh{self.bh_bucket}"
@@ -420,11 +424,19 @@ def nearest_tuned(key: ShapeKey, table: dict[ShapeKey, dict[str, TileConfig]]) -
     return table[min(same, key=distance)]
 
 
+def tuned_sm90(key: ShapeKey) -> dict[str, TileConfig] | None:
+    """`TUNED_SM90`'s entry for `key`: the nearest one of its own register width, else (a split head-dim width
+    with no entries yet) the nearest one of its padded width `block_d`, the tile it ran in before the split
+    (its configurations fit: the split tiles hold fewer columns)."""
+    table = _tuned_sm90()
+    return nearest_tuned(key, table) or nearest_tuned(replace(key, head_dim=block_d(key.head_dim)), table)
+
+
 def tuned_for_device(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
     """The committed measurements for this device's architecture, if any."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return None
-    return nearest_tuned(key, _tuned_sm90())
+    return tuned_sm90(key)
 
 
 def as_dict(configs: dict[str, TileConfig]) -> dict[str, dict]:
