@@ -156,6 +156,7 @@ def test_shape_key_buckets():
 def test_shape_key_is_the_register_width(monkeypatch):
     """Split head dims get their own keys (the autotune cache must not mix their configurations with the padded
     tile's); float32 and CS336_FLASH_SPLIT_D=0 run the padded tile and share its key."""
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 80
     assert ShapeKey.of(1, 4096, 4096, 96, torch.float16, True).head_dim == 96
     assert ShapeKey.of(1, 4096, 4096, 112, torch.bfloat16, True).head_dim == 128  # no split: 64 + 64 saves nothing
@@ -165,8 +166,9 @@ def test_shape_key_is_the_register_width(monkeypatch):
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 128
 
 
-def test_split_widths_take_the_padded_widths_tuned_entries():
+def test_split_widths_take_the_padded_widths_tuned_entries(monkeypatch):
     """The committed H100 table has no entries for split widths: d = 80 takes d = 128's, 192 takes 256's."""
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
     for d, padded in ((80, 128), (96, 128), (192, 256)):
         for bh, n in ((1, 16384), (16, 8192), (1, 65536)):
             key = ShapeKey.of(bh, n, n, d, torch.bfloat16, True)

@@ -36,7 +36,8 @@ KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
 TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 # What the kernels support: every multiple of 8 up to 256 (rows of 16 bytes or more in 16-bit dtypes, as TMA
-# and vectorized loads want).  The register tile is `block_d(d)` wide; its padding columns are masked.
+# and vectorized loads want).  The register tiles are `d_tiles(d, dtype)`: two power-of-two tiles side by side,
+# or one `block_d(d)` wide whose padding columns are masked.
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
@@ -60,7 +61,8 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
 
     Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators),
     so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.
-    ``CS336_FLASH_SPLIT_D=0`` keeps the padded tile everywhere (for same-run A/B measurements).
+    ``CS336_FLASH_SPLIT_D=0`` keeps the padded tile everywhere (for same-run A/B measurements); it is read at
+    every eager call, but a torch.compile'd call keeps the tiles it was traced with (set it before compiling).
     """
     whole = block_d(head_dim)
     forced = os.environ.get(SPLIT_D_ENV, "")

@@ -4,10 +4,13 @@
 Layout: every tensor is (Z, H, N, d) with a unit stride on d and any batch (z), head (h) and row strides,
 passed as arguments (the launchers take (BH, N, d) as Z = 1); one program handles one tile of one
 (batch x head) slice bh = z * H + h, addressed as z * stride_z + h * stride_h; L and D are (Z * H, Nq)
-contiguous, indexed by bh.  Head dims: HEAD_DIM is d (any multiple of 8 up to 256), BLOCK_D the register tile's
-width, the next power of two >= max(d, 16) (tl.arange and tl.dot need powers of two, tl.dot a K of 16 or
-more): when they differ, every load and store is masked on d and the padding columns are zeros, which add
-nothing to Q K^T and give zero columns of O, dQ, dK, dV that are never stored.  Grouped-query attention:
+contiguous, indexed by bh.  Head dims: HEAD_DIM is d (any multiple of 8 up to 256), held in one or two register
+tiles of power-of-two widths (tl.arange and tl.dot need powers of two, tl.dot a K of 16 or more): BLOCK_D
+columns, and with BLOCK_D2 > 0 a second tile of columns [BLOCK_D, BLOCK_D + BLOCK_D2) beside it (d = 80 as
+64 + 16: every product over d is two products summed, every (rows, d) accumulator two).  Where the tiles reach
+past d (one padded tile, BLOCK_D > d, or a second tile ending past d) loads and stores are masked on d there
+and the padding columns are zeros, which add nothing to Q K^T and give zero columns of O, dQ, dK, dV that are
+never stored; the masks are constexpr flags, so tiles that fit d exactly carry none.  Grouped-query attention:
 K and V have H / GROUP heads (GROUP query heads share one K/V head), so query head h of batch z reads K/V
 head h // GROUP of batch z; the dK/dV kernel sums over the group's query heads itself.
 

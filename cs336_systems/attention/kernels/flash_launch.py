@@ -104,6 +104,8 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
     the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
     in mode 0.  A head dim split over two register tiles (`d_tiles`) takes pointer loads: the descriptors'
     boxes are one tile wide (forcing 1 or 2 there is a ValueError)."""
+    if tma not in (None, 0, 1, 2):
+        raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
     tiles = d_tiles(k.shape[-1], k.dtype)
     if tiles[1]:
         if tma:
@@ -112,8 +114,6 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
         return 0, None, None
     if tma is None:
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
-    if tma not in (0, 1, 2):
-        raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
     if tma and not (k.is_contiguous() and v.is_contiguous()):
         # the descriptors cover the (BH * N, d) rows of contiguous memory; a strided view would be read wrong
         raise ValueError(f"tma={tma} needs contiguous k and v; got k strides {k.stride()}, v strides {v.stride()}")
