@@ -155,8 +155,8 @@ def test_shape_key_buckets():
 
 def test_shape_key_is_the_register_width(monkeypatch):
     """Split head dims get their own keys (the autotune cache must not mix their configurations with the padded
-    tile's); float32 and CS336_FLASH_SPLIT_D=0 run the padded tile and share its key."""
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+    tile's); float32 and the default (no CS336_FLASH_SPLIT_D=1) run the padded tile and share its key."""
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 80
     assert ShapeKey.of(1, 4096, 4096, 96, torch.float16, True).head_dim == 96
     assert ShapeKey.of(1, 4096, 4096, 112, torch.bfloat16, True).head_dim == 128  # no split: 64 + 64 saves nothing
@@ -164,11 +164,13 @@ def test_shape_key_is_the_register_width(monkeypatch):
     assert ShapeKey.of(1, 4096, 4096, 192, torch.bfloat16, True).head_dim == 192
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 128
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D")
+    assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 128
 
 
 def test_split_widths_take_the_padded_widths_tuned_entries(monkeypatch):
     """The committed H100 table has no entries for split widths: d = 80 takes d = 128's, 192 takes 256's."""
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     for d, padded in ((80, 128), (96, 128), (192, 256)):
         for bh, n in ((1, 16384), (16, 8192), (1, 65536)):
             key = ShapeKey.of(bh, n, n, d, torch.bfloat16, True)
@@ -177,6 +179,8 @@ def test_split_widths_take_the_padded_widths_tuned_entries(monkeypatch):
             chosen = flash_configs.tuned_sm90(key)
             assert chosen is not None
             assert chosen == flash_configs.tuned_sm90(ShapeKey.of(bh, n, n, padded, torch.bfloat16, True))
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D")  # by default d = 80 runs (and is keyed as) the padded tile
+    assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True) == ShapeKey.of(1, 4096, 4096, 128, torch.bfloat16, True)
 
 
 @pytest.mark.parametrize("dtype, fp32_dot", [(torch.bfloat16, ""), (torch.float32, "tf32x3"), (torch.float32, "ieee")])

@@ -6,6 +6,8 @@ a ValueError, tested below).  GPU-marked tests run bf16/fp16/fp32 at larger size
 torch.compile(fullgraph=True).
 """
 
+import os
+
 import pytest
 import torch
 from attention_reference import assert_flash_accuracy, random_qkv, reference
@@ -44,23 +46,28 @@ def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
 HEAD_DIMS = [8, 16, 24, 32, 48, 64, 72, 80, 88, 96, 112, 128, 160, 192, 256]
 
 
-# The dtype is a parameter, not drawn: in 16-bit types the head dims above split, in float32 they run padded.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# The tile layout and dtype are parameters, not drawn: padded tiles in float32 and fp16 (the default), and the
+# opt-in split tiles (CS336_FLASH_SPLIT_D=1), which only 16-bit types take.
+@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.float16, ""), (torch.float16, "1")])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @settings(max_examples=2, deadline=None)
 @given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_every_head_dim_matches_float64_reference(d, dtype, nq, nk, is_causal, seed):
-    """Head dims that are not a power of two run two register tiles side by side (80 = 64 + 16, ...) or one
-    padded tile with masked columns: O, dQ, dK, dV and L against float64, ragged lengths, Nq != Nk."""
+def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_causal, seed):
+    """Head dims that are not a power of two run one padded tile with masked columns or (opted in) two
+    register tiles side by side (80 = 64 + 16, ...): O, dQ, dK, dV and L against float64, ragged lengths,
+    Nq != Nk."""
     q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
-    assert_flash_accuracy(_apply, q, k, v, is_causal)
+    with pytest.MonkeyPatch.context() as patch:  # per example (a function-scoped fixture is not)
+        patch.setenv("CS336_FLASH_SPLIT_D", split_d)
+        assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
 def test_head_dim_tiles(monkeypatch):
-    """Two power-of-two tiles where they cover d with fewer columns than the padded one, else the padded one."""
+    """Opted in: two power-of-two tiles where they cover d with fewer columns than the padded one, else the
+    padded one."""
     from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, block_d, d_tiles
 
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
 
     expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (32, 16), 48: (32, 16), 56: (64, 0), 64: (64, 0),
                 72: (64, 16), 80: (64, 16), 88: (64, 32), 96: (64, 32), 104: (128, 0), 112: (128, 0),
@@ -77,6 +84,8 @@ def test_head_dim_tiles(monkeypatch):
 def test_split_head_dim_switch(monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: one padded tile
+    assert d_tiles(80, torch.bfloat16) == (128, 0) and d_tiles(192, torch.float16) == (256, 0)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")
     assert d_tiles(80, torch.bfloat16) == (128, 0) and d_tiles(192, torch.float16) == (256, 0)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
@@ -84,19 +93,6 @@ def test_split_head_dim_switch(monkeypatch):
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "yes")
     with pytest.raises(ValueError, match="CS336_FLASH_SPLIT_D must be 0 or 1, got 'yes'"):
         d_tiles(80, torch.bfloat16)
-
-
-@pytest.mark.parametrize("d", [48, 80, 192])
-@settings(max_examples=2, deadline=None)
-@given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_padded_head_dim_tiles_match_float64_reference(d, nq, nk, is_causal, seed):
-    """The one padded tile in 16-bit types (CS336_FLASH_SPLIT_D=0, the A/B baseline of the split tiles) stays
-    correct (float32 always runs it)."""
-    dtype = torch.float16
-    q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CS336_FLASH_SPLIT_D", "0")
-        assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -108,7 +104,7 @@ def test_split_head_dim_matches_the_padded_tile(d, is_causal, monkeypatch):
     from cs336_systems.attention.kernels import flash_launch
     from cs336_systems.attention.kernels.flash_configs import TileConfig, d_tiles
 
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     assert d_tiles(d, torch.float16)[1]
     g = torch.Generator().manual_seed(d)
     q, k, v, do = (torch.randn(1, 2, n, d, generator=g).half() for n in (70, 90, 90, 70))
@@ -342,8 +338,16 @@ def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
+# The opt-in split tiles only where asked for: a bf16 run of them at d 88 / 96 on an H100 ended in a wrong saved
+# L and an illegal memory access, which poisons the CUDA context of every later test in the process.
+SPLIT_TILES_ON_GPU = pytest.mark.skipif(
+    os.environ.get("CS336_FLASH_SPLIT_D") != "1",
+    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 (docs/flash-attention.md, Section 13)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # padded / split tiles (fp16: as bf16)
+@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.bfloat16, ""),
+                                            pytest.param(torch.bfloat16, "1", marks=SPLIT_TILES_ON_GPU)])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @settings(max_examples=2, deadline=None)
 @given(
@@ -352,10 +356,12 @@ def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     is_causal=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gpu_every_head_dim_matches_float64_reference(d, dtype, nq, nk, is_causal, seed):
+def test_gpu_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_causal, seed):
     """Every head dim compiled for the GPU (padded tiles, TMA boxes wider than the rows), bf16 included."""
     q, k, v = random_qkv((2, 3), nq, nk, d, dtype, "cuda", seed)
-    assert_flash_accuracy(_apply, q, k, v, is_causal)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CS336_FLASH_SPLIT_D", split_d)
+        assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
 @pytest.mark.gpu
@@ -788,7 +794,7 @@ def test_four_dimensional_grouped_batches_with_splits_and_descriptors(tma, split
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
 
 
-def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors():
+def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors(monkeypatch):
     from cs336_systems.attention.kernels import flash_configs, flash_launch
 
     with pytest.raises(ValueError, match=r"take \(Z, H, N, d\) or \(BH, N, d\) tensors, got shape \(40, 32\)"):
@@ -800,6 +806,7 @@ def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors():
     with pytest.raises(ValueError, match=r"tma=1 needs contiguous k and v; got k strides \(4096, 32, 64, 1\)"):
         flash_launch.forward(q, strided, strided, torch.empty_like(q), torch.empty(1, 2, 64), True,
                              flash_configs.TileConfig(32, 32, 4, 1, 1), tma=1)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     q80 = torch.randn(1, 2, 64, 80).half()  # d 80 runs split (64 + 16): the descriptors' boxes are one tile wide
     with pytest.raises(ValueError, match=r"tma=2 needs a head dim that runs in one register tile; d=80 runs split"):
         flash_launch.forward(q80, q80, q80, torch.empty_like(q80), torch.empty(1, 2, 64), True,

@@ -36,15 +36,15 @@ KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
 TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 # What the kernels support: every multiple of 8 up to 256 (rows of 16 bytes or more in 16-bit dtypes, as TMA
-# and vectorized loads want).  The register tiles are `d_tiles(d, dtype)`: two power-of-two tiles side by side,
-# or one `block_d(d)` wide whose padding columns are masked.
+# and vectorized loads want).  The register tiles are `d_tiles(d, dtype)`: one `block_d(d)` wide whose padding
+# columns are masked, or (opt-in) two power-of-two tiles side by side.
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 def block_d(head_dim: int) -> int:
     """The head dim's padded tile: the next power of two >= max(head_dim, 16) (tl.arange needs a power of
-    two, tl.dot a K of at least 16).  Configurations are keyed by it (`ShapeKey`): d = 80 and 96 share d = 128's
-    tiles, 160 and 192 share d = 256's."""
+    two, tl.dot a K of at least 16): the kernels' tile by default, so d = 80 and 96 share d = 128's
+    configurations and 160 and 192 share d = 256's (`ShapeKey`)."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
@@ -52,24 +52,27 @@ SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 
 
 def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2) for 16-bit inputs: two power-of-two tiles side
-    by side where they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the
-    next one >= the rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64;
-    else the one padded tile and BLOCK_D2 = 0 (powers of two, and 24, 56, 104-120, 200-248, where two tiles
-    save nothing).  float32 (tf32x3 or IEEE dots) keeps the padded tile: its split kernels ran into illegal
-    memory accesses on an H100 (Triton 3.6; docs/flash-attention.md, Section 13).
+    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): by default the one padded tile `block_d(d)` and
+    BLOCK_D2 = 0.
 
-    Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators),
-    so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.
-    ``CS336_FLASH_SPLIT_D=0`` keeps the padded tile everywhere (for same-run A/B measurements); it is read at
-    every eager call, but a torch.compile'd call keeps the tiles it was traced with (set it before compiling).
+    With ``CS336_FLASH_SPLIT_D=1`` (opt-in, experimental), 16-bit inputs run two power-of-two tiles side by side
+    where they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the next one
+    >= the rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64 (not
+    the powers of two, nor 24, 56, 104-120, 200-248, where two tiles save nothing).  Every matmul over d
+    becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators), so the padding's work
+    is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.  Not the default: on an H100
+    (Triton 3.6) the split kernels passed the interpreter's properties and most GPU ones, but a bf16 property
+    run at d = 88 and 96 ended in a wrong saved L and an illegal memory access, and float32's split kernels
+    faulted too (docs/flash-attention.md, Section 13); float32 keeps the padded tile even when opted in.
+    The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
+    (set it before compiling).
     """
     whole = block_d(head_dim)
     forced = os.environ.get(SPLIT_D_ENV, "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
     first = whole // 2
-    if forced == "0" or whole == head_dim or first < 16 or dtype == torch.float32:
+    if forced != "1" or whole == head_dim or first < 16 or dtype == torch.float32:
         return whole, 0
     second = block_d(head_dim - first)
     return (first, second) if first + second < whole else (whole, 0)
@@ -186,8 +189,8 @@ class ShapeKey:
     @classmethod
     def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
         """The key of a call: its head dim is the kernels' register width, the columns of `d_tiles(head_dim,
-        dtype)` (what registers and shared memory depend on): d = 112 and 128 share configurations (one 128-wide
-        tile), d = 80 in 16-bit types has its own (64 + 16 columns), d = 80 in float32 shares d = 128's."""
+        dtype)` (what registers and shared memory depend on): d = 80, 112 and 128 share configurations (one
+        128-wide tile); with split tiles opted in, d = 80 in 16-bit types has its own (64 + 16 columns)."""
         n = max(n_queries, n_keys)
         cls_ = dtype_class(dtype)  # first: it names an unsupported dtype
         return cls(sum(d_tiles(head_dim, dtype)), cls_, bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))

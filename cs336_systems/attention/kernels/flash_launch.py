@@ -110,7 +110,7 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int 
     if tiles[1]:
         if tma:
             raise ValueError(f"tma={tma} needs a head dim that runs in one register tile; d={k.shape[-1]} runs "
-                             f"split as {tiles} (CS336_FLASH_SPLIT_D=0 keeps one padded tile)")
+                             f"split as {tiles} (CS336_FLASH_SPLIT_D=1; unset, one padded tile)")
         return 0, None, None
     if tma is None:
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
