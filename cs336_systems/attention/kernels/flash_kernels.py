@@ -68,6 +68,23 @@ def _store(ptrs, value, rows_ok, d_ok, PAD: tl.constexpr):
 
 
 @triton.jit
+def _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """The forward kernels' second head-dim tile (BLOCK_D2 > 0, a split head dim): its column offsets
+    [BLOCK_D, BLOCK_D + BLOCK_D2), Q's columns there and a zero accumulator for O's; with BLOCK_D2 == 0 the
+    first tile's as placeholders, never read."""
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        q2 = _load(q_ptrs + offs_d2[None, :], q_rows, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    else:
+        offs_d2 = offs_d
+        q2 = q
+        acc2 = acc
+    return offs_d2, q2, acc2
+
+
+@triton.jit
 def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, offs_d2,
               stride_kn, stride_vn, start, end, n_keys, qk_scale,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -171,14 +188,7 @@ def flash_fwd_kernel(
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if BLOCK_D2 > 0:  # a split head dim: columns [BLOCK_D, BLOCK_D + BLOCK_D2) in their own tiles
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q2 = _load(q_ptrs + offs_d2[None, :], q_rows, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
-    else:  # placeholders, never read
-        offs_d2 = offs_d
-        q2 = q
-        acc2 = acc
+    offs_d2, q2, acc2 = _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_D2)
 
     # Keys this query tile can see: all, or (causal) those j <= the tile's last query.
     if CAUSAL:
@@ -250,14 +260,7 @@ def flash_fwd_split_kernel(
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if BLOCK_D2 > 0:  # a split head dim, as in the unsplit kernel
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q2 = _load(q_ptrs + offs_d2[None, :], q_rows, offs_d2[None, :] < HEAD_DIM, True, BLOCK_D + BLOCK_D2 > HEAD_DIM)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
-    else:  # placeholders, never read
-        offs_d2 = offs_d
-        q2 = q
-        acc2 = acc
+    offs_d2, q2, acc2 = _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_D2)
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
