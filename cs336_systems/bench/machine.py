@@ -1,8 +1,11 @@
 """Facts about the machine a measurement ran on, and peak throughput per GPU.
 
 `machine_facts()` is what extends pytest-benchmark's machine_info: GPU name and count, driver, CUDA,
-cuDNN, torch and triton versions.  Two saved runs are only comparable in absolute time when the fields
-in COMPARABLE_FIELDS agree (`incomparable_fields`).
+cuDNN, torch and triton versions, and the library's switches set in the environment (``CS336_*``
+variables, e.g. ``CS336_FLASH_TMA=0`` or ``CS336_FLASH_SPLIT_D=1`` for an A/B run), so a saved run says
+which code paths it measured.  Two saved runs are only comparable in absolute time when the fields in
+COMPARABLE_FIELDS agree (`incomparable_fields`); switches are not among them: an A/B pair differs in them
+on purpose.
 
 `peak_tflops(gpu_name, precision)` looks up the dense (no sparsity) datasheet peak used for MFU.
 Sources: NVIDIA H100 datasheet (SXM5: FP32 67, TF32 495, BF16/FP16 989.4 TFLOP/s dense; PCIe: 51,
@@ -14,6 +17,7 @@ higher than against the datasheet).
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 
@@ -71,6 +75,7 @@ def machine_facts() -> dict[str, object]:
         "gpu_count": 0,
         "gpu_memory_gib": None,
         "driver": None,
+        "switches": switches(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -81,6 +86,15 @@ def machine_facts() -> dict[str, object]:
             driver=_driver_version(),
         )
     return facts
+
+
+SWITCH_PREFIX = "CS336_"
+
+
+def switches() -> dict[str, str]:
+    """The ``CS336_*`` environment variables that are set (non-empty), sorted by name: the library's own
+    switches (flash-triton's TMA / key-split / split-tile / float32-dot choices, autotuning, ...)."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith(SWITCH_PREFIX) and value}
 
 
 def default_profile() -> str:

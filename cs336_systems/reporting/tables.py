@@ -242,9 +242,16 @@ def commit_label(run: dict) -> str:
 
 
 def machine_section(machines: list[dict]) -> str:
+    """One row per run: file, commit, the machine facts, and the ``CS336_*`` switches it ran with ("-": none,
+    or a run saved before they were recorded)."""
     rows = [[m.get("file", ""), m.get("commit", "unknown")]
-            + [str(m.get(f)) for f in (*COMPARABLE_FIELDS, "driver", "cudnn")] for m in machines]
-    return md_table(["run", "commit", *COMPARABLE_FIELDS, "driver", "cudnn"], rows)
+            + [str(m.get(f)) for f in (*COMPARABLE_FIELDS, "driver", "cudnn")] + [switches_text(m.get("switches"))]
+            for m in machines]
+    return md_table(["run", "commit", *COMPARABLE_FIELDS, "driver", "cudnn", "switches"], rows)
+
+
+def switches_text(switches: dict | None) -> str:
+    return ", ".join(f"{name}={value}" for name, value in sorted(switches.items())) if switches else "-"
 
 
 

@@ -4,6 +4,7 @@ exercised in isolated pytest sessions built from the project's real conftest fil
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,20 @@ def test_bench_fixture_records_cases_rates_and_ooms(project):
     assert data["perf_profile"] == "cpu"
     assert data["perf_groups"] == ["g1"] and data["perf_not_timed"] == []  # every selected case was timed
     assert {"gpu_name", "torch", "triton", "cuda", "driver"} <= set(data["machine_info"]["cs336_systems"])
+
+
+def test_machine_facts_record_the_librarys_switches(monkeypatch):
+    """Set, non-empty CS336_* variables are recorded (sorted); other variables and empty ones are not."""
+    for name in [n for n in os.environ if n.startswith("CS336_")]:
+        monkeypatch.delenv(name)
+    assert machine.machine_facts()["switches"] == {}
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "")
+    monkeypatch.setenv("NOT_CS336_FLASH_TMA", "1")
+    facts = machine.machine_facts()
+    assert facts["switches"] == {"CS336_FLASH_SPLIT_D": "1", "CS336_FLASH_TMA": "0"}
+    assert list(facts["switches"]) == ["CS336_FLASH_SPLIT_D", "CS336_FLASH_TMA"]
 
 
 def test_perf_group_filters_cases(project):

@@ -49,6 +49,21 @@ def test_tables_speedups_and_oom_cells(tmp_path):
     assert "NVIDIA H100 80GB HBM3" in text
 
 
+def test_machine_table_names_each_runs_switches(tmp_path):
+    """The CS336_* switches a run was made with (an A/B's difference) show in the machine table; a run that
+    recorded none, or was saved before switches were recorded, shows "-"."""
+    plain = _run(tmp_path, "a.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])
+    switched = tmp_path / "b.json"
+    data = json.loads(plain.read_text())
+    data["machine_info"]["cs336_systems"]["switches"] = {"CS336_FLASH_TMA": "0", "CS336_FLASH_SPLIT_D": "1"}
+    switched.write_text(json.dumps(data))
+    text = report.render([plain, switched])
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ") and ".json" in line}
+    assert rows[str(plain)].rstrip().endswith("| - |")
+    assert rows[str(switched)].rstrip().endswith("| CS336_FLASH_SPLIT_D=1, CS336_FLASH_TMA=0 |")
+    assert "| switches |" in text
+
+
 def test_later_runs_override_earlier_and_cli_writes_file(tmp_path):
     first = _run(tmp_path, "a.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])
     second = _run(tmp_path, "b.json", [_bench("small", 128, "forward", "fp32", False, 0.020)])
