@@ -88,8 +88,7 @@ def _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M: tl.constexpr, HEAD_D
 def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d, offs_d2,
               stride_kn, stride_vn, start, end, n_keys, qk_scale,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr, HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr,
-              PAD2: tl.constexpr):
+              TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
     """Online-softmax update of (acc, acc2, l_i, m_i) over key tiles [start, end).
 
     TMA (0, 1, 2): 1: the unmasked tiles (always fully in bounds) come through the (BH * Nk, d) tensor
@@ -106,16 +105,16 @@ def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, 
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
             k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
-                      True, PAD)
+                      True, BLOCK_D > HEAD_DIM)
         elif TMA > 0:
             k = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N): K^T, transposed in shared memory
         else:
             k = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col,
-                      False, PAD)  # (BLOCK_D, BLOCK_N): K^T
+                      False, BLOCK_D > HEAD_DIM)  # (BLOCK_D, BLOCK_N): K^T
         qk = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
         if BLOCK_D2 > 0:
             k2 = _load(k_base + offs_n[None, :] * stride_kn + offs_d2[:, None], offs_n[None, :] < n_keys,
-                       offs_d2[:, None] < HEAD_DIM, MASK, PAD2)  # (BLOCK_D2, BLOCK_N)
+                       offs_d2[:, None] < HEAD_DIM, MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)  # (BLOCK_D2, BLOCK_N)
             qk = tl.dot(q2, k2, acc=qk, input_precision=PRECISION)
         if MASK:
             visible = offs_n[None, :] < n_keys
@@ -133,17 +132,17 @@ def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, 
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK and TMA < 2:
             v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
-                      True, PAD)
+                      True, BLOCK_D > HEAD_DIM)
         elif TMA > 0:
             v = v_desc.load([row0 + start_n, 0])
         else:
             v = _load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None] < n_keys, d_row,
-                      False, PAD)
+                      False, BLOCK_D > HEAD_DIM)
         # P is cast to V's dtype before the second matmul (FA2): bf16/fp16 tensor-core inputs.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         if BLOCK_D2 > 0:
             v2 = _load(v_base + offs_n[:, None] * stride_vn + offs_d2[None, :], offs_n[:, None] < n_keys,
-                       offs_d2[None, :] < HEAD_DIM, MASK, PAD2)
+                       offs_d2[None, :] < HEAD_DIM, MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)
             acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=PRECISION)
         m_i = m_new
     return acc, acc2, l_i, m_i
@@ -199,12 +198,10 @@ def flash_fwd_kernel(
         full_end = n_keys // BLOCK_N * BLOCK_N
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
-                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
-                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
 
     o = acc / l_i[:, None]
     o_ptrs = O + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_on
@@ -275,12 +272,10 @@ def flash_fwd_split_kernel(
     mid = tl.maximum(tl.minimum(full_end, end), lo)
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, lo, mid, n_keys, qk_scale, False, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
-                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, mid, end, n_keys, qk_scale, True, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2,
-                                    BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
 
     seen = l_i > 0.0
     norm = tl.where(seen, l_i, 1.0)[:, None]
@@ -337,7 +332,7 @@ def flash_fwd_combine_kernel(
 def _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n, offs_m0, offs_d, offs_d2,
                stride_qn, stride_don, start, end, n_queries, n_keys, qk_scale,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-               HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr, PAD2: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
                PART: tl.constexpr):
     """Accumulate dK (unscaled) and dV for one key tile over query tiles [start, end), transposed form.
     PART 0: both; 1: dV only (no dP, no delta); 2: dK only (the other accumulator is left as it came).
@@ -348,9 +343,9 @@ def _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, 
         offs_m = start_m + offs_m0
         rows = offs_m < n_queries
         qT = _load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None], rows[None, :], d_col, MASK,
-                   PAD)  # (BLOCK_D, BLOCK_M)
+                   BLOCK_D > HEAD_DIM)  # (BLOCK_D, BLOCK_M)
         do = _load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], rows[:, None], d_row, MASK,
-                   PAD)  # (BLOCK_M, BLOCK_D)
+                   BLOCK_D > HEAD_DIM)  # (BLOCK_M, BLOCK_D)
         if MASK:
             lse = tl.load(l_base + offs_m, mask=rows, other=0.0) * 1.4426950408889634
         else:
@@ -358,9 +353,9 @@ def _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, 
         sT = tl.dot(k, qT, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if BLOCK_D2 > 0:
             qT2 = _load(q_base + offs_m[None, :] * stride_qn + offs_d2[:, None], rows[None, :],
-                        offs_d2[:, None] < HEAD_DIM, MASK, PAD2)
+                        offs_d2[:, None] < HEAD_DIM, MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)
             do2 = _load(do_base + offs_m[:, None] * stride_don + offs_d2[None, :], rows[:, None],
-                        offs_d2[None, :] < HEAD_DIM, MASK, PAD2)
+                        offs_d2[None, :] < HEAD_DIM, MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)
             sT = tl.dot(k2, qT2, acc=sT, input_precision=PRECISION)
         # P^T = exp(S^T - L): (BLOCK_N, BLOCK_M), one FMA + exp2 per score (L converted to base 2 above)
         pT = tl.math.exp2(sT * qk_scale - lse[None, :])
@@ -470,22 +465,22 @@ def flash_bwd_dkdv_kernel(
             dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
                                           offs_m0, offs_d, offs_d2, stride_qn, stride_don, lo, band_end, n_queries,
                                           n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
-                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
+                                          BLOCK_D, BLOCK_D2, PART)
         # Unmasked tiles need every key in bounds as well: a ragged key tile takes the masked path throughout.
         if start_n + BLOCK_N <= n_keys:
             dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
                                           offs_m0, offs_d, offs_d2, stride_qn, stride_don, band_end, full_end,
                                           n_queries, n_keys, qk_scale, False, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
-                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
+                                          BLOCK_D, BLOCK_D2, PART)
         else:
             dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
                                           offs_m0, offs_d, offs_d2, stride_qn, stride_don, band_end, full_end,
                                           n_queries, n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
-                                          BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
+                                          BLOCK_D, BLOCK_D2, PART)
         dk, dv, dk2, dv2 = _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, q_base, do_base, l_base, d_base, offs_n,
                                       offs_m0, offs_d, offs_d2, stride_qn, stride_don, full_end, n_queries, n_queries,
                                       n_keys, qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM,
-                                      BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM, PART)
+                                      BLOCK_D, BLOCK_D2, PART)
 
     if PART != 1:
         dk_ptrs = DK + split * stride_dks + z * stride_dkz + kvh * stride_dkh + offs_n[:, None] * stride_dkn
@@ -505,8 +500,7 @@ def flash_bwd_dkdv_kernel(
 def _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, k_desc, v_desc, row0, offs_m, offs_n0, offs_d,
              offs_d2, stride_kn, stride_vn, start, end, n_keys, qk_scale,
              MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-             TMA: tl.constexpr, HEAD_DIM: tl.constexpr, PAD: tl.constexpr, BLOCK_D2: tl.constexpr,
-             PAD2: tl.constexpr):
+             TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
     """Accumulate dQ (unscaled) for one query tile over key tiles [start, end) (TMA and BLOCK_D2: as in
     `_fwd_tile`; dq2 holds dQ's columns offs_d2)."""
     d_col = offs_d[:, None] < HEAD_DIM
@@ -514,24 +508,24 @@ def _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, k_desc, v_des
         offs_n = start_n + offs_n0
         if MASK and TMA < 2:
             kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
-                       PAD)
+                       BLOCK_D > HEAD_DIM)
             vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, True,
-                       PAD)
+                       BLOCK_D > HEAD_DIM)
         elif TMA > 0:
             kT = tl.trans(k_desc.load([row0 + start_n, 0]))  # (BLOCK_D, BLOCK_N)
             vT = tl.trans(v_desc.load([row0 + start_n, 0]))
         else:
             kT = _load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
-                       PAD)  # (BLOCK_D, BLOCK_N)
+                       BLOCK_D > HEAD_DIM)  # (BLOCK_D, BLOCK_N)
             vT = _load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], offs_n[None, :] < n_keys, d_col, False,
-                       PAD)
+                       BLOCK_D > HEAD_DIM)
         s = tl.dot(q, kT, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
         if BLOCK_D2 > 0:
             d2_col = offs_d2[:, None] < HEAD_DIM
             kT2 = _load(k_base + offs_n[None, :] * stride_kn + offs_d2[:, None], offs_n[None, :] < n_keys, d2_col,
-                        MASK, PAD2)  # (BLOCK_D2, BLOCK_N)
+                        MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)  # (BLOCK_D2, BLOCK_N)
             vT2 = _load(v_base + offs_n[None, :] * stride_vn + offs_d2[:, None], offs_n[None, :] < n_keys, d2_col,
-                        MASK, PAD2)
+                        MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)
             s = tl.dot(q2, kT2, acc=s, input_precision=PRECISION)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASK:
@@ -616,10 +610,10 @@ def flash_bwd_dq_kernel(
         full_end = n_keys // BLOCK_N * BLOCK_N
     dq, dq2 = _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                        offs_d, offs_d2, stride_kn, stride_vn, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N,
-                       PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                       PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
     dq, dq2 = _dq_tile(dq, dq2, q, q2, do, do2, lse2, delta, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                        offs_d, offs_d2, stride_kn, stride_vn, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N,
-                       PRECISION, TMA, HEAD_DIM, BLOCK_D > HEAD_DIM, BLOCK_D2, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+                       PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
     dq_ptrs = DQ + z * stride_dqz + h * stride_dqh + offs_m[:, None] * stride_dqn
     _store(dq_ptrs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], d_row, BLOCK_D > HEAD_DIM)
     if BLOCK_D2 > 0:

@@ -97,16 +97,18 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None):
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None,
+                    tiles: tuple[int, int] | None = None):
     """(TMA mode, K_DESC, V_DESC) for the forward and dQ launchers.  ``tma`` None takes the configuration's
     mode where `use_tma` allows descriptors (else 0); 0 / 1 / 2 force it.  Mode 2 (the diagonal band's tiles
     through the descriptors too) falls back to 1 unless BLOCK_N divides N: a band tile crossing N would read
     the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
     in mode 0.  A head dim split over two register tiles (`d_tiles`) takes pointer loads: the descriptors'
-    boxes are one tile wide (forcing 1 or 2 there is a ValueError)."""
+    boxes are one tile wide (forcing 1 or 2 there is a ValueError).  ``tiles``: the launcher's `d_tiles`, if it
+    has them already (None: computed here)."""
     if tma not in (None, 0, 1, 2):
         raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
-    tiles = d_tiles(k.shape[-1], k.dtype)
+    tiles = d_tiles(k.shape[-1], k.dtype) if tiles is None else tiles
     if tiles[1]:
         if tma:
             raise ValueError(f"tma={tma} needs a head dim that runs in one register tile; d={k.shape[-1]} runs "
@@ -193,8 +195,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     splits = key_splits(q, k.shape[-2], cfg) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     tiles = d_tiles(d, q.dtype)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, bh, n_queries), device=q.device, dtype=torch.float32)
@@ -294,8 +296,8 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     bh = slices(q)
     group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
-    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma)
     tiles = d_tiles(d, q.dtype)
+    tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
         *zhn_strides(do), *zhn_strides(dq_out), *zhn_strides(o),
