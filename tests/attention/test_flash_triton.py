@@ -6,7 +6,6 @@ a ValueError, tested below).  GPU-marked tests run bf16/fp16/fp32 at larger size
 torch.compile(fullgraph=True).
 """
 
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from cs336_systems import attention
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,8 +41,8 @@ def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
-# The head dims people train with: every power of two, the split ones (80, 96: 2-3B models; 48, 160, 192; 72
-# and 88, whose second tile reaches past d) and the padded ones (24, 112).
+# The head dims people train with: every power of two, the split ones (80, 96: 2-3B models; 48, 160, 192; 88,
+# whose second tile reaches past d) and the padded ones (24, 72, 112).
 HEAD_DIMS = [8, 16, 24, 32, 48, 64, 72, 80, 88, 96, 112, 128, 160, 192, 256]
 
 
@@ -63,22 +63,28 @@ def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_
 
 
 def test_head_dim_tiles(monkeypatch):
-    """Opted in: two power-of-two tiles where they cover d with fewer columns than the padded one, else the
-    padded one."""
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, block_d, d_tiles
+    """Opted in: the two power-of-two tiles of `SPLIT_LAYOUTS` (the narrow tile first where it is 32 wide or
+    more: the order that ran clean on an H100), else the padded one."""
+    from cs336_systems.attention.kernels.flash_configs import (
+        HEAD_DIMS,
+        block_d,
+        d_tiles,
+    )
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
-
-    expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (32, 16), 48: (32, 16), 56: (64, 0), 64: (64, 0),
-                72: (64, 16), 80: (64, 16), 88: (64, 32), 96: (64, 32), 104: (128, 0), 112: (128, 0),
-                128: (128, 0), 136: (128, 16), 160: (128, 32), 192: (128, 64), 200: (256, 0), 256: (256, 0)}
+    expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (64, 0), 48: (32, 16), 56: (64, 0), 64: (64, 0),
+                72: (128, 0), 80: (64, 16), 88: (32, 64), 96: (32, 64), 104: (128, 0), 112: (128, 0),
+                128: (128, 0), 136: (256, 0), 160: (32, 128), 192: (64, 128), 200: (256, 0), 256: (256, 0)}
     for d, tiles in expected.items():
         assert d_tiles(d, torch.bfloat16) == d_tiles(d, torch.float16) == tiles, d
         assert d_tiles(d, torch.float32) == (block_d(d), 0)  # float32 keeps the padded tile
     for d in HEAD_DIMS:
         first, second = d_tiles(d, torch.bfloat16)
-        assert first + second >= d and first + second <= block_d(d)
-        assert second == 0 or (first < d and second >= 16 and second & (second - 1) == 0)
+        assert first & (first - 1) == 0 and first >= 16, d
+        if second:  # both powers of two >= 16, covering d with fewer columns than the padded tile
+            assert second & (second - 1) == 0 and second >= 16 and d <= first + second < block_d(d), d
+        else:
+            assert first == block_d(d), d
 
 
 def test_split_head_dim_switch(monkeypatch):
@@ -338,16 +344,8 @@ def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
-# The opt-in split tiles only where asked for: a bf16 run of them at d 88 / 96 on an H100 ended in a wrong saved
-# L and an illegal memory access, which poisons the CUDA context of every later test in the process.
-SPLIT_TILES_ON_GPU = pytest.mark.skipif(
-    os.environ.get("CS336_FLASH_SPLIT_D") != "1",
-    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 (docs/flash-attention.md, Section 13)")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.bfloat16, ""),
-                                            pytest.param(torch.bfloat16, "1", marks=SPLIT_TILES_ON_GPU)])
+@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.bfloat16, ""), (torch.bfloat16, "1")])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @settings(max_examples=2, deadline=None)
 @given(
@@ -362,6 +360,18 @@ def test_gpu_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk,
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CS336_FLASH_SPLIT_D", split_d)
         assert_flash_accuracy(_apply, q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", sorted(SPLIT_LAYOUTS))
+def test_gpu_split_head_dim_edge_shapes_match_float64_reference(d, monkeypatch):
+    """Every split layout at the shapes where wrong tile orders failed on an H100 (one query, one key, a
+    ragged short tile; docs/flash-attention.md, Section 13), causal and not, with the launcher's configurations."""
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
+    for i, (nq, nk) in enumerate(((1, 1), (1, 2048), (17, 63), (1000, 1025))):
+        for causal in (False, True):
+            q, k, v = random_qkv((2, 3), nq, nk, d, torch.bfloat16, "cuda", seed=d * 100 + i)
+            assert_flash_accuracy(_apply, q, k, v, causal)
 
 
 @pytest.mark.gpu

@@ -50,20 +50,24 @@ def block_d(head_dim: int) -> int:
 
 SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 
+# Two-tile layouts (BLOCK_D, BLOCK_D2) that passed float64 comparisons of every kernel at 21 tile
+# configurations under compute-sanitizer on an H100 with Triton 3.6 (docs/flash-attention.md, Section 13).
+# Order matters there: a 64-wide first tile with a 32-wide second (d 88, 96) or a masked 16-wide one (d 72)
+# gave wrong forward scores and shared-memory reads out of bounds in Triton's wgmma code, the narrow tile
+# first did not.  Head dims not listed keep the padded tile.
+SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (32, 128), 192: (64, 128)}
+
 
 def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): by default the one padded tile `block_d(d)` and
     BLOCK_D2 = 0.
 
-    With ``CS336_FLASH_SPLIT_D=1`` (opt-in, experimental), 16-bit inputs run two power-of-two tiles side by side
-    where they cover d with fewer columns than `block_d(d)`, the largest power of two below d and the next one
-    >= the rest (both >= 16): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64 (not
-    the powers of two, nor 24, 56, 104-120, 200-248, where two tiles save nothing).  Every matmul over d
-    becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two accumulators), so the padding's work
-    is gone: a padded d = 80 tile multiplies 128 columns, the split one 80.  Not the default: on an H100
-    (Triton 3.6) the split kernels passed the interpreter's properties and most GPU ones, but a bf16 property
-    run at d = 88 and 96 ended in a wrong saved L and an illegal memory access, and float32's split kernels
-    faulted too (docs/flash-attention.md, Section 13); float32 keeps the padded tile even when opted in.
+    With ``CS336_FLASH_SPLIT_D=1`` (opt-in), 16-bit inputs at the head dims of `SPLIT_LAYOUTS` run two
+    power-of-two tiles side by side that cover d with fewer columns than `block_d(d)`: 80 = 64 + 16,
+    96 = 32 + 64, 48 = 32 + 16, 160 = 32 + 128, 192 = 64 + 128 (88 = 32 + 64 with the last 8 columns
+    masked).  Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two
+    accumulators), so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one
+    80.  float32 keeps the padded tile even when opted in (its split kernels faulted on an H100).
     The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
     (set it before compiling).
     """
@@ -71,11 +75,11 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     forced = os.environ.get(SPLIT_D_ENV, "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
-    first = whole // 2
-    if forced != "1" or whole == head_dim or first < 16 or dtype == torch.float32:
+    if forced != "1" or dtype == torch.float32 or head_dim not in SPLIT_LAYOUTS:
         return whole, 0
-    second = block_d(head_dim - first)
-    return (first, second) if first + second < whole else (whole, 0)
+    return SPLIT_LAYOUTS[head_dim]
+
+
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
 BH_BUCKETS = (1, 4, 16, 64)
 
