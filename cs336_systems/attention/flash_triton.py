@@ -12,7 +12,7 @@ Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv divid
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
 register tile with the padding columns masked, or, opted in with CS336_FLASH_SPLIT_D=1 (experimental), in two
-power-of-two tiles side by side where that saves columns (80 = 64 + 16, 96 = 64 + 32; `flash_configs.d_tiles`).
+power-of-two tiles side by side where that saves columns (80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`).
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).

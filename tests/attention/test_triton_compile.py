@@ -66,9 +66,9 @@ compile_(kernels.flash_bwd_dq_kernel,
          {"Q": bf16, "K": bf16, "V": bf16, "DO": bf16, "L": "*fp32", "Dvec": "*fp32", "DQ": bf16, "O": bf16},
          strides + zhn("do", "dq", "o") + ["n_queries", "n_keys", "heads", "group"],
          ["sm_scale", "qk_scale"])
+consts["BLOCK_D"] = block_d  # the key-split forward and the combine kernel run the padded tile
 compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PART": "*fp32", "L_PART": "*fp32"},
          strides + ["n_queries", "n_keys", "heads", "group"], ["qk_scale"])
-consts["BLOCK_D"] = block_d  # the combine kernel runs the padded tile
 compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
          zhn("o") + ["n_queries", "heads"], [])
 print("compiled")
@@ -76,7 +76,7 @@ print("compiled")
 
 
 # loads: pointers, descriptors for the unmasked tiles, for every tile; head dim 80 with descriptors runs
-# padded (a 128-wide tile, TMA boxes wider than the rows), with pointers split (64 + 16; 192 = 128 + 64),
+# padded (a 128-wide tile, TMA boxes wider than the rows), with pointers split (64 + 16; 192 = 64 + 128),
 # and 256 in 256-wide register tiles.
 @pytest.mark.parametrize("causal, loads, head_dim", [
     (causal, loads, 64) for causal in ("causal", "full") for loads in ("pointers", "tma", "tma-band")
@@ -86,7 +86,7 @@ def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
 
 
 # The dK/dV kernel's two-pass form (TileConfig.parts = 2): a dV-only and a dK-only variant, at d = 256 and
-# at d = 192 (split: 128 + 64).
+# at d = 192 (split: 64 + 128).
 @pytest.mark.parametrize("part", [1, 2])
 @pytest.mark.parametrize("head_dim", [192, 256])
 def test_two_pass_dkdv_variants_compile_for_sm90(part, head_dim):

@@ -220,7 +220,6 @@ def flash_fwd_split_kernel(
     n_queries, n_keys, heads, group, qk_scale: tl.constexpr,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_D2: tl.constexpr = 0,
 ):
     """Grid (cdiv(Nq, BLOCK_M), BH, SPLITS): the forward with each query tile's keys split in SPLITS chunks.
 
@@ -233,8 +232,9 @@ def flash_fwd_split_kernel(
     A chunk holding only keys above a row's diagonal (BLOCK_M > BLOCK_N) leaves that row with m = MASKED,
     so its masked scores count as exp2(0) = 1 and its partial is garbage, but its L is ~MASKED (-1e6):
     weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
+    One head-dim tile (BLOCK_D, padded past d where needed): split head dims take the padded tile here
+    (`flash_launch.forward`).
     """
-    tl.static_assert(BLOCK_D2 == 0 or TMA == 0, "a split head dim takes pointer loads")
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h
     z = bh // heads
@@ -257,7 +257,7 @@ def flash_fwd_split_kernel(
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    offs_d2, q2, acc2 = _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    offs_d2, q2, acc2 = _second_q_tile(q_ptrs, q_rows, offs_d, q, acc, BLOCK_M, HEAD_DIM, BLOCK_D, 0)
 
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, n_keys)
@@ -272,10 +272,10 @@ def flash_fwd_split_kernel(
     mid = tl.maximum(tl.minimum(full_end, end), lo)
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, lo, mid, n_keys, qk_scale, False, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, 0)
     acc, acc2, l_i, m_i = _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, K_DESC, V_DESC, row0, offs_m, offs_n0,
                                     offs_d, offs_d2, stride_kn, stride_vn, mid, end, n_keys, qk_scale, True, CAUSAL,
-                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, BLOCK_D2)
+                                    BLOCK_N, PRECISION, TMA, HEAD_DIM, BLOCK_D, 0)
 
     seen = l_i > 0.0
     norm = tl.where(seen, l_i, 1.0)[:, None]
@@ -283,9 +283,6 @@ def flash_fwd_split_kernel(
     part = (split * n_bh + bh) * n_queries
     o_ptrs = O_PART + (part + offs_m[:, None]) * HEAD_DIM
     _store(o_ptrs + offs_d[None, :], o, q_rows, d_row, BLOCK_D > HEAD_DIM)
-    if BLOCK_D2 > 0:
-        _store(o_ptrs + offs_d2[None, :], acc2 / norm, q_rows, offs_d2[None, :] < HEAD_DIM,
-               BLOCK_D + BLOCK_D2 > HEAD_DIM)
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(L_PART + part + offs_m, lse2, mask=offs_m < n_queries)
 

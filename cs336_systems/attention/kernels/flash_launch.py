@@ -182,7 +182,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
     ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
-    partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse.
+    partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse (always in the padded
+    head-dim tile).
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
     ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
@@ -196,6 +197,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     tiles = d_tiles(d, q.dtype)
+    if splits > 1 and tiles[1]:
+        # The key-split kernel has one padded tile: the split tiles' GPU faults were at shapes that take it
+        # (docs/flash-attention.md, Section 13), and it runs only where few programs would leave SMs idle.
+        tiles = (block_d(d), 0)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     if splits > 1:
         o_part = torch.empty((splits, bh, n_queries, d), device=q.device, dtype=torch.float32)
@@ -204,7 +209,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             q, k, v, o_part, l_part, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
             n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), SPLITS=splits, TMA=tma, BLOCK_D=tiles[0],
-            BLOCK_D2=tiles[1], **cfg.launch_kwargs(),
+            **cfg.launch_kwargs(),
         )
         combine_rows = 64 if d <= 64 else (32 if d <= 128 else 16)  # a (rows, d) float32 accumulator per program
         wrap(kernels.flash_fwd_combine_kernel)[(triton.cdiv(n_queries, combine_rows), bh)](
