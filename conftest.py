@@ -23,11 +23,18 @@ pytest-benchmark integration
   cases of a group the baseline does not cover, fails the session (`reporting.baseline.coverage`); a
   baseline saved from a dirty work tree is named in a warning.  ``--benchmark-json=PATH`` is checked
   before anything runs: a path that cannot be written is a usage error, not a run lost at the end.
+
+CUDA faults
+  A kernel fault (an illegal address, a launch failure, a device-side assert) loses the process's CUDA
+  context, so every later GPU test in it would fail with the same error and hide which test faulted.  Without
+  xdist the faulting test fails and the session stops there; an xdist worker exits at once (xdist reports that
+  test as crashed and starts a fresh worker for the tests left).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,6 +168,26 @@ def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info
         benchmarksession.logger.warning(
             f"The saved run compared against was made from a work tree with uncommitted changes (commit {commit}, "
             "dirty): its times cannot be traced to code. Refresh the baseline at a clean commit.")
+
+
+# What torch and Triton say of a sticky kernel fault (the context is unusable after it).
+CUDA_FAULTS = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction",
+               "device-side assert triggered")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.excinfo is None or not any(fault in str(call.excinfo.value) for fault in CUDA_FAULTS):
+        return report
+    reason = f"CUDA context lost in {item.nodeid} ({call.excinfo.exconly().splitlines()[0][:200]})"
+    if hasattr(item.config, "workerinput"):  # an xdist worker
+        # Exiting before this report is sent makes xdist name this test as the one its worker crashed in.
+        sys.stderr.write(f"\n{reason}: this worker exits, xdist replaces it\n")
+        sys.stderr.flush()
+        os._exit(3)
+    item.session.shouldstop = f"{reason}: the tests after it cannot use the GPU in this process"
+    return report
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
