@@ -6,7 +6,6 @@ a ValueError, tested below).  GPU-marked tests run bf16/fp16/fp32 at larger size
 torch.compile(fullgraph=True).
 """
 
-
 import os
 
 import pytest
@@ -67,11 +66,7 @@ def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_
 def test_head_dim_tiles(monkeypatch):
     """Opted in: the two power-of-two tiles of `SPLIT_LAYOUTS` (the narrow tile first where it is 32 wide or
     more: the order that ran clean on an H100), else the padded one."""
-    from cs336_systems.attention.kernels.flash_configs import (
-        HEAD_DIMS,
-        block_d,
-        d_tiles,
-    )
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, block_d, d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (64, 0), 48: (32, 16), 56: (64, 0), 64: (64, 0),
