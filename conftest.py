@@ -28,12 +28,14 @@ CUDA faults
   A kernel fault (an illegal address, a launch failure, a device-side assert) loses the process's CUDA
   context, so every later GPU test in it would fail with the same error and hide which test faulted.  Without
   xdist the faulting test fails and the session stops there; an xdist worker exits at once (xdist reports that
-  test as crashed and starts a fresh worker for the tests left).
+  test as crashed and starts a fresh worker for the tests left).  An xfail test that faults ends the process's
+  GPU use all the same.  A distributed case's rank that faults (its own process) does not count.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +56,7 @@ if not torch.cuda.is_available():
 from cs336_systems.bench import machine
 from cs336_systems.cli_args import non_negative_float, positive_float
 from cs336_systems.bench.matrix import PROFILES
+from cs336_systems.parallel.launch import SpawnError
 from cs336_systems.reporting import baseline
 
 COMPARED_KEY = pytest.StashKey[list]()  # the saved runs --benchmark-compare loaded
@@ -170,15 +173,31 @@ def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info
             "dirty): its times cannot be traced to code. Refresh the baseline at a clean commit.")
 
 
-# What torch and Triton say of a sticky kernel fault (the context is unusable after it).
-CUDA_FAULTS = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction",
-               "device-side assert triggered")
+# How torch and Triton word a sticky kernel fault (the context is unusable after it): a RuntimeError (torch's
+# AcceleratorError is one) whose message starts with their CUDA prefix and names one of these faults.  Only those
+# exceptions: an assertion or a child process's error that quotes such a message does not lose this process's
+# context.
+CUDA_FAULT = re.compile(r"(CUDA error|Triton Error \[CUDA\]): .*(illegal memory access|unspecified launch failure|"
+                        r"misaligned address|illegal instruction|device-side assert triggered)")
+
+
+def _cuda_fault(exc: BaseException | None, seen: set[int] | None = None) -> bool:
+    """Whether ``exc``, an exception it was raised from or during, or one inside an exception group (Hypothesis
+    reports several distinct failures as one) is a CUDA fault."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return False
+    seen.add(id(exc))
+    if isinstance(exc, RuntimeError) and not isinstance(exc, SpawnError) and CUDA_FAULT.match(str(exc)):
+        return True
+    inner = list(getattr(exc, "exceptions", ())) if isinstance(exc, BaseExceptionGroup) else []
+    return any(_cuda_fault(e, seen) for e in (exc.__cause__, exc.__context__, *inner))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    if call.excinfo is None or not any(fault in str(call.excinfo.value) for fault in CUDA_FAULTS):
+    if call.excinfo is None or not _cuda_fault(call.excinfo.value):
         return report
     reason = f"CUDA context lost in {item.nodeid} ({call.excinfo.exconly().splitlines()[0][:200]})"
     if hasattr(item.config, "workerinput"):  # an xdist worker

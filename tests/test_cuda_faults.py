@@ -1,5 +1,6 @@
 """A CUDA kernel fault ends the process's use of the GPU: the faulting test is named, the rest do not run
-in the lost context (root conftest.py, "CUDA faults").  Simulated: the tests raise torch's message."""
+in the lost context (root conftest.py, "CUDA faults").  Simulated: the tests raise torch's and Triton's
+messages; an ordinary failure that quotes one is not a fault."""
 
 from pathlib import Path
 
@@ -11,36 +12,45 @@ TESTS = '''
 def test_a_pass():
     pass
 
-def test_b_fault():
-    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+def test_b_quotes_a_fault():
+    assert "CUDA error: an illegal memory access was encountered" == "", "an ordinary failure"
 
-def test_c_pass():
+def test_c_fault():
+    {fault}
+
+def test_d_pass():
     pass
-
-def test_d_ordinary_failure():
-    assert 1 == 2
 '''
 
+FAULTS = {
+    "torch": 'raise RuntimeError("CUDA error: an illegal memory access was encountered")',
+    "chained": 'raise ValueError("wrapped") from RuntimeError("Triton Error [CUDA]: unspecified launch failure")',
+    # Hypothesis reports distinct failures of one test as an exception group
+    "group": 'raise ExceptionGroup("two", [AssertionError("L"), RuntimeError("CUDA error: misaligned address")])',
+}
 
-def _project(pytester):
+
+def _project(pytester, fault):
     pytester.makeconftest((ROOT / "conftest.py").read_text())
-    pytester.makepyfile(test_kernels=TESTS)
+    pytester.makepyfile(test_kernels=TESTS.format(fault=FAULTS[fault]))
 
 
-def test_a_fault_stops_a_session_without_xdist(pytester):
-    _project(pytester)
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_stops_a_session_without_xdist(pytester, fault):
+    _project(pytester, fault)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(passed=1, failed=1)  # c and d never ran
-    result.stdout.fnmatch_lines(["*CUDA context lost in test_kernels.py::test_b_fault (RuntimeError: CUDA error: "
-                                 "an illegal memory access was encountered): the tests after it cannot use the GPU*"])
+    result.assert_outcomes(passed=1, failed=2)  # b failed as usual and the session went on; d never ran
+    result.stdout.fnmatch_lines(["*CUDA context lost in test_kernels.py::test_c_fault (*): the tests after it "
+                                 "cannot use the GPU in this process*"])
+    assert "CUDA context lost in test_kernels.py::test_b" not in result.stdout.str()
     assert result.ret == pytest.ExitCode.INTERRUPTED  # non-zero: a run with a fault never passes
 
 
 def test_an_xdist_worker_exits_and_is_replaced(pytester):
-    _project(pytester)
+    _project(pytester, "torch")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
     # the fault is the crashed test; every other test ran, the ordinary failure reported as usual
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(["*replacing crashed worker*"])
-    result.stdout.fnmatch_lines(["*test_kernels.py::test_b_fault*"])
-    result.stderr.fnmatch_lines(["*CUDA context lost in test_kernels.py::test_b_fault*this worker exits*"])
+    result.stdout.fnmatch_lines(["*test_kernels.py::test_c_fault*"])
+    result.stderr.fnmatch_lines(["*CUDA context lost in test_kernels.py::test_c_fault*this worker exits*"])

@@ -503,10 +503,13 @@ def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(h100_sms, monk
     assert flash_launch.key_splits(FakeCuda(1, 8192), 8192, cfg) == 1  # 128 tiles ~ one per SM
     assert flash_launch.key_splits(FakeCuda(16, 16384), 16384, cfg) == 1  # the leaderboard shape
     assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 1  # CPU / interpreter
+    # a split head dim: the key-split kernel's padded tile may not fit a configuration chosen for the split width
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg, split_head_dim=True) == 1
     monkeypatch.setenv("CS336_FLASH_SPLITS", "1")
     assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg) == 1
     monkeypatch.setenv("CS336_FLASH_SPLITS", "3")
     assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 3
+    assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg, split_head_dim=True) == 3  # forced: as asked
     monkeypatch.setenv("CS336_FLASH_SPLITS", "zero")
     with pytest.raises(ValueError, match="CS336_FLASH_SPLITS must be a positive integer, got 'zero'"):
         flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg)

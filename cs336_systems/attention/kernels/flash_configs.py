@@ -50,11 +50,11 @@ def block_d(head_dim: int) -> int:
 
 SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 
-# Two-tile layouts (BLOCK_D, BLOCK_D2) that passed float64 comparisons of every kernel at 21 tile
-# configurations under compute-sanitizer on an H100 with Triton 3.6 (docs/flash-attention.md, Section 13).
-# Order matters there: a 64-wide first tile with a 32-wide second (d 88, 96) or a masked 16-wide one (d 72)
-# gave wrong forward scores and shared-memory reads out of bounds in Triton's wgmma code, the narrow tile
-# first did not.  Head dims not listed keep the padded tile.
+# Two-tile layouts (BLOCK_D, BLOCK_D2): the orders that ran clean on an H100 (Triton 3.6) when each kernel was
+# compared alone with float64 under compute-sanitizer at 7 tile configurations; a 64-wide first tile with a
+# 32-wide second (d 88, 96) or a masked 16-wide one (d 72) gave wrong forward scores and out-of-bounds shared
+# memory reads in Triton's wgmma code there.  Through the public path they still faulted at edge shapes
+# (docs/flash-attention.md, Section 13): experimental.  Head dims not listed keep the padded tile.
 SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (32, 128), 192: (64, 128)}
 
 
@@ -62,12 +62,14 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): by default the one padded tile `block_d(d)` and
     BLOCK_D2 = 0.
 
-    With ``CS336_FLASH_SPLIT_D=1`` (opt-in), 16-bit inputs at the head dims of `SPLIT_LAYOUTS` run two
-    power-of-two tiles side by side that cover d with fewer columns than `block_d(d)`: 80 = 64 + 16,
+    With ``CS336_FLASH_SPLIT_D=1`` (opt-in, experimental), 16-bit inputs at the head dims of `SPLIT_LAYOUTS`
+    run two power-of-two tiles side by side that cover d with fewer columns than `block_d(d)`: 80 = 64 + 16,
     96 = 32 + 64, 48 = 32 + 16, 160 = 32 + 128, 192 = 64 + 128 (88 = 32 + 64 with the last 8 columns
     masked).  Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two
     accumulators), so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one
-    80.  float32 keeps the padded tile even when opted in (its split kernels faulted on an H100).
+    80.  Not the default: on an H100 (Triton 3.6) the split kernels still hit illegal memory accesses at some
+    shapes (docs/flash-attention.md, Section 13); float32 keeps the padded tile even when opted in (its split
+    kernels faulted too).
     The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
     (set it before compiling).
     """

@@ -139,7 +139,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
+def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig, split_head_dim: bool = False) -> int:
     """How many key chunks the forward splits each query tile into (1: the unsplit kernel).
 
     Split only when the unsplit grid (query tiles x B*H) leaves at least half of the SMs idle: then the
@@ -148,6 +148,8 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
     to about one program per SM, at most MAX_KEY_SPLITS, and chunks of at least MIN_TILES_PER_SPLIT key
     tiles.  Only on CUDA devices (the interpreter has no SMs; tests pass ``splits`` explicitly).
     ``CS336_FLASH_SPLITS=<n>`` overrides the choice (1: never split; for same-run A/B measurements).
+    ``split_head_dim`` (the head dim runs in two register tiles, `d_tiles`): 1 unless forced, since the
+    key-split kernel runs the padded tile, which a configuration chosen for the split width need not fit.
     """
     forced = os.environ.get(SPLITS_ENV)
     if forced:
@@ -158,7 +160,7 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig) -> int:
         if value < 1:
             raise ValueError(f"{SPLITS_ENV} must be a positive integer, got {forced!r}")
         return value
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or split_head_dim:
         return 1
     programs = triton.cdiv(q.shape[-2], cfg.block_m) * slices(q)
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -181,9 +183,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             tma: int | None = None) -> None:
     """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
-    ``splits``: key chunks per query tile (None: `key_splits`); above 1 the split kernel writes float32
-    partials to a (splits, BH, Nq, d) workspace and the combine kernel writes o and lse (always in the padded
-    head-dim tile).
+    ``splits``: key chunks per query tile (None: `key_splits`, never for a split head dim unless forced); above
+    1 the split kernel writes float32 partials to a (splits, BH, Nq, d) workspace and the combine kernel writes
+    o and lse, both in the padded head-dim tile.
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
     ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
@@ -193,13 +195,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     n_queries, d = q.shape[-2:]
     heads, bh = q.shape[1], slices(q)
     group = group_size(q, k)
-    splits = key_splits(q, k.shape[-2], cfg) if splits is None else splits
+    tiles = d_tiles(d, q.dtype)
+    splits = key_splits(q, k.shape[-2], cfg, split_head_dim=bool(tiles[1])) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tiles = d_tiles(d, q.dtype)
     if splits > 1 and tiles[1]:
-        # The key-split kernel has one padded tile: the split tiles' GPU faults were at shapes that take it
-        # (docs/flash-attention.md, Section 13), and it runs only where few programs would leave SMs idle.
+        # Key splits asked for a split head dim: the key-split kernel has one tile, the padded one (its split
+        # variant was removed after GPU faults at shapes that take it; docs/flash-attention.md, Section 13).
         tiles = (block_d(d), 0)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     if splits > 1:
