@@ -58,6 +58,11 @@ from cs336_systems.attention.kernels.flash_autotune import interpreter_active, s
 from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
 from cs336_systems.attention.kernels.flash_launch import direct
 
+try:  # the Hopper forward needs Triton's experimental Gluon API; without it the portable kernel runs
+    from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    hopper = None
+
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Whether the @triton.jit kernels were built for Triton's interpreter: decided once, when flash_kernels was
@@ -76,9 +81,12 @@ def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = 
 
 
 def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None):
-    cfg = _select(q, k, is_causal, may_tune)
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
+        hopper.forward(q, k, v, o, lse, is_causal)  # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
+        return o, lse
+    cfg = _select(q, k, is_causal, may_tune)
     launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap, tma=tma)
     return o, lse
 
@@ -153,6 +161,13 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     return bool(cfg["fwd"].tma or cfg["dq"].tma)
 
 
+@torch.compiler.assume_constant_result
+def _hopper_wanted(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Gluon Hopper forward is wanted for this head dim, dtype and device (`flash_fwd_hopper.wanted`;
+    the custom op checks the strides at run time and otherwise runs the portable kernel): a constant to dynamo."""
+    return hopper is not None and hopper.wanted(d, dtype, device)
+
+
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
     `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
@@ -160,6 +175,8 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     if KERNELS_INTERPRETED:
         return False
     n_queries, d = q.shape[-2:]
+    if _hopper_wanted(d, q.dtype, q.device):
+        return False  # the Gluon forward is launched by the custom op (inductor cannot trace a Gluon kernel)
     wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
     return not (wants_tma and k.is_contiguous() and v.is_contiguous())
 

@@ -1,0 +1,259 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon: TMA loads, a K/V ring of mbarrier-tracked stages and
+asynchronous warpgroup MMAs, with the next tile's scores computed while the current P V product runs.
+
+    forward(q, k, v, o, lse, causal)   q, o: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse: (Z, H, Nq) float32
+
+Why a second forward: the portable Triton kernel (flash_kernels.flash_fwd_kernel) leaves the order of its two
+matrix products and the softmax to Triton's scheduler, which waits for each warpgroup MMA before the softmax
+that follows it.  Here one program of 8 warps (two warpgroups, 64 query rows each: wgmma's M per warpgroup)
+owns BLOCK_M = 128 query rows of one (z, h) and, per key tile j:
+
+    S_j = Q K_j^T                (async wgmma, issued first)
+    O  = alpha_{j-1} O + P_{j-1} V_{j-1}   (async wgmma, issued second)
+    wait for S_j only (one group left in flight), softmax of S_j -> P_j, alpha_j, (m, l)
+    wait for P_{j-1} V_{j-1}; its stage of the K/V ring is free: TMA-load tile j - 1 + NUM_STAGES into it
+
+so the exponentials of tile j overlap the tensor-core work of tile j - 1 (FlashAttention-3's intra-warpgroup
+overlap).  K and V arrive through a NUM_STAGES-deep ring; a tile's two loads complete one mbarrier.
+Causal programs run longest first (the last query tile sees every key), and only tiles that cross the
+diagonal or the end of the keys are masked.
+
+Descriptors are rank 4 over the (Z, H, N, d) views, so any strides with 16-byte alignment are read in place
+(a head-major view of token-major memory included) and TMA's bounds do the ragged ends: loads past N are
+zero-filled (those key columns are then masked), stores past Nq are dropped.  Grouped-query attention: query
+head h reads K/V head h // group.
+
+L = logsumexp of the scaled scores (natural log, float32) per query row, as the portable kernel stores it, so
+the portable backward consumes this forward's output unchanged.
+
+Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
+this kernel is taken.  bfloat16 and float16 only; head dims 64 and 128 (`HEAD_DIMS`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 128  # two warpgroups x 64 rows
+HEAD_DIMS = (64, 128)
+ENV = "CS336_FLASH_HOPPER_FWD"  # "0": never; "1": wherever the inputs allow (default: where it measured faster)
+# Head dims where this kernel beat the portable forward on the H100 (docs/flash-attention.md, Section 14).
+DEFAULT_HEAD_DIMS = (128,)
+# The Gluon API this file is written against; other Triton versions take the portable kernel.
+TRITON_VERSIONS = ("3.6.",)
+
+
+def block_n(head_dim: int) -> int:
+    """Key tile: 128 keys keep S (64 x 128 per warpgroup) and O (64 x d) in registers up to d = 128."""
+    return 128
+
+
+def stages(head_dim: int) -> int:
+    """K/V ring depth: three stages (a tile in use, one landing, one requested) fit shared memory at d <= 128
+    (Q 32 KB + 3 x (K + V) 192 KB at d = 128)."""
+    return 3
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr):
+    """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
+    stage = tile % NUM_STAGES
+    pred = tile < n_tiles
+    mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [z, kv_head, tile * BLOCK_N, 0], ready.index(stage),
+                                    k_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [z, kv_head, tile * BLOCK_N, 0], ready.index(stage),
+                                    v_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one (BLOCK_M, BLOCK_N) tile of raw scores, base 2 (qk_scale = log2(e) / sqrt(d)):
+    returns (P unnormalized float32, alpha = rescale of the running O, new m, new l).  Masked scores are
+    -1e6 (the reference's convention), which exp2 turns into exact zeros."""
+    if MASK:
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(cols, 0) < n_k
+        if CAUSAL:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        s = gl.where(visible, s * qk_scale, -1.0e6)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
+                            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # longest first
+    bh = gl.program_id(1)
+    z = bh // heads
+    h = bh % heads
+    kv_head = h // group
+    start_m = pid_m * BLOCK_M
+
+    # wgmma accumulators: each warpgroup holds 64 rows of S (BLOCK_M x BLOCK_N) and of O (BLOCK_M x HEAD_DIM)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
+
+    if CAUSAL:
+        hi = gl.minimum(start_m + BLOCK_M, n_k)
+        full = gl.minimum(start_m + 1, n_k) // BLOCK_N  # tiles that every row of this program sees entirely
+    else:
+        hi = n_k
+        full = n_k // BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf)
+    for t in gl.static_range(NUM_STAGES):
+        _load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
+
+    m_i = gl.full([BLOCK_M], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    # tile 0: its scores and softmax, nothing to overlap with yet
+    mbarrier.wait(ready.index(0), 0)
+    k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s_tok = warpgroup_mma(q_smem, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
+    if full > 0:
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, False, CAUSAL, BLOCK_M,
+                                           BLOCK_N, s_layout)
+    else:
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, True, CAUSAL, BLOCK_M,
+                                           BLOCK_N, s_layout)
+
+    for j in range(1, n_tiles):
+        stage = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_smem, kj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
+        if j < full:
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, False, CAUSAL,
+                                               BLOCK_M, BLOCK_N, s_layout)
+        else:
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, True, CAUSAL,
+                                               BLOCK_M, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
+        # K_{j-1} and V_{j-1} are consumed: their stage takes tile j - 1 + NUM_STAGES
+        _load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
+                 NUM_STAGES)
+
+    last = (n_tiles - 1) % NUM_STAGES
+    v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    q_smem.store(acc.to(dtype))  # Q's buffer stages O for the TMA store (rows past Nq are dropped by TMA)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [z, h, start_m, 0], q_buf)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(L + bh * n_q + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < n_q)
+    tma.store_wait(0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """TMA: a 16-byte aligned base and 16-byte multiples for every stride but the unit one on d."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+
+
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this kernel is chosen for the head dim, dtype and device: a CUDA device of compute capability
+    9.x, a Triton release this file's Gluon API matches, bfloat16 / float16, and a head dim the environment
+    allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS).  No device work."""
+    choice = os.environ.get(ENV, "")
+    if choice == "0" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+        return False
+    if not triton.__version__.startswith(TRITON_VERSIONS):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """`wanted` for q's head dim, dtype and device, and (Z, H, N, d) inputs with TMA-compatible strides."""
+    if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
+        return False  # the grid's second dimension is one program per (z, h), at most 65535
+    return all(t.dim() == 4 and _aligned(t) for t in (q, k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype is torch.bfloat16 else gl.float16)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+            causal: bool) -> None:
+    """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
+    `usable` strides, k and v with H_kv heads dividing H."""
+    n_q, d = q.shape[-2:]
+    heads, n_k = q.shape[1], k.shape[-2]
+    bn = block_n(d)
+    grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
+    flash_fwd_hopper_kernel[grid](
+        _descriptor(q, BLOCK_M), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, BLOCK_M), lse,
+        LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(d), num_warps=8,
+    )

@@ -1,0 +1,146 @@
+"""The Gluon Hopper forward (flash_fwd_hopper): where it is chosen, and on an sm_90 GPU its O and L against
+float64, with the portable backward consuming its L.
+
+The kernel itself compiles only for sm_90 (no interpreter), so on CPU these tests check the selection rules
+and the dispatch; the GPU tests run on Hopper and skip elsewhere with the reason."""
+
+import pytest
+import torch
+from attention_reference import assert_flash_accuracy, random_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def hopper_machine(monkeypatch):
+    """Pretend to be an sm_90 device with the Triton release the Gluon code is written against."""
+    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(hopper.triton, "__version__", "3.6.0")
+    monkeypatch.delenv(hopper.ENV, raising=False)
+
+
+def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
+    assert hopper.wanted(128, torch.bfloat16, CUDA) and hopper.wanted(128, torch.float16, CUDA)
+    assert not hopper.wanted(64, torch.bfloat16, CUDA)  # slower than the portable kernel there
+    assert not hopper.wanted(128, torch.float32, CUDA)
+    assert not hopper.wanted(128, torch.bfloat16, torch.device("cpu"))
+    assert not hopper.wanted(80, torch.bfloat16, CUDA)
+
+
+def test_environment_switches_it_off_or_on_for_every_supported_head_dim(hopper_machine, monkeypatch):
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert not hopper.wanted(128, torch.bfloat16, CUDA)
+    monkeypatch.setenv(hopper.ENV, "1")
+    assert all(hopper.wanted(d, torch.bfloat16, CUDA) for d in hopper.HEAD_DIMS)
+    assert not hopper.wanted(96, torch.bfloat16, CUDA)
+
+
+def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monkeypatch):
+    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not hopper.wanted(128, torch.bfloat16, CUDA)
+    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not hopper.wanted(128, torch.bfloat16, CUDA)
+    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(hopper.triton, "__version__", "3.9.0")
+    assert not hopper.wanted(128, torch.bfloat16, CUDA)
+
+
+def test_tma_alignment_rules():
+    t = torch.empty(2, 3, 64, 128, dtype=torch.bfloat16)
+    assert hopper._aligned(t)
+    assert hopper._aligned(torch.empty(2, 64, 3, 128, dtype=torch.bfloat16).transpose(1, 2))  # token-major view
+    assert not hopper._aligned(t[..., 1:])  # base 2 bytes off, and a 127-wide row
+    assert not hopper._aligned(torch.empty(2, 3, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
+    assert not hopper._aligned(t.transpose(-1, -2))  # d not the unit-stride dim
+
+
+def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
+    """flash_triton._forward hands usable eager problems to the Gluon kernel (nothing else launched) and the
+    rest, and every traced launch through inductor's wrapper, to the portable one."""
+    calls = []
+    monkeypatch.setattr(hopper, "forward", lambda q, k, v, o, lse, causal: calls.append("hopper"))
+    monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
+    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
+    q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
+    usable = {"yes": True}
+    monkeypatch.setattr(hopper, "usable", lambda q, k, v: usable["yes"])
+    o, lse = flash_triton._forward(q, q, q, True)
+    assert calls == ["hopper"] and o.shape == q.shape and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+    flash_triton._forward(q, q, q, True, wrap=torch.library.wrap_triton, tma=0)  # inductor's launch: portable
+    usable["yes"] = False
+    flash_triton._forward(q, q, q, True)
+    assert calls == ["hopper", "portable", "portable"]
+
+
+def test_traced_calls_keep_the_custom_op_where_the_hopper_forward_is_wanted(monkeypatch):
+    """inductor cannot trace a Gluon kernel: a traced call that wants it goes through the custom op."""
+    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
+    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)
+    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(flash_triton, "_hopper_wanted", lambda *args: True)
+    assert not flash_triton._inductor_path(q, q, q, True)
+    monkeypatch.setattr(flash_triton, "_hopper_wanted", lambda *args: False)
+    assert flash_triton._inductor_path(q, q, q, True)
+
+
+# --- sm_90 GPU only ----------------------------------------------------------------------------------------
+
+ON_HOPPER = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+         and hopper.triton.__version__.startswith(hopper.TRITON_VERSIONS)),
+    reason=f"the Gluon forward runs on compute capability 9.x with Triton {hopper.TRITON_VERSIONS}")
+
+
+def _token_major(batch, heads, n, d, dtype, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(batch, n, heads, d, generator=g, device="cuda").to(dtype).transpose(1, 2).requires_grad_()
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.sampled_from([(3, 3), (8, 2), (4, 1)]),
+    nq=st.sampled_from([1, 17, 128, 255, 1000, 2048]),
+    nk=st.sampled_from([1, 63, 128, 257, 1025, 2048]),
+    d=st.sampled_from(hopper.HEAD_DIMS),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    token_major=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_hopper_forward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
+    """O, the saved L and (through the portable backward, which reads that L) dQ, dK, dV against float64:
+    ragged ends, Nq != Nk, one query or one key, grouped K/V heads, token-major views; the Gluon kernel
+    must be the forward that ran."""
+    hq, hkv = heads
+    if token_major:
+        q = _token_major(2, hq, nq, d, dtype, seed)
+        k, v = _token_major(2, hkv, nk, d, dtype, seed + 1), _token_major(2, hkv, nk, d, dtype, seed + 2)
+    else:
+        q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
+        _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    ran = []
+    real = hopper.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(hopper.ENV, "1")
+        patch.setattr(hopper, "forward", lambda *args: ran.append(1) or real(*args))
+        assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
+    assert ran, "the Hopper forward did not run"
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+def test_gpu_hopper_forward_runs_under_torch_compile_fullgraph():
+    """A compiled call at d 128 keeps the custom op (the Gluon kernel inside) and equals the eager call."""
+    torch._dynamo.reset()
+    q, k, v = random_qkv((2, 4), 300, 300, 128, torch.bfloat16, "cuda", seed=5)
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    out = compiled(q, k, v, True)
+    torch.testing.assert_close(out, FlashAttentionTriton.apply(q, k, v, True), rtol=0, atol=0)
