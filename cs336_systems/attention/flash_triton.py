@@ -58,10 +58,11 @@ from cs336_systems.attention.kernels.flash_autotune import interpreter_active, s
 from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
 from cs336_systems.attention.kernels.flash_launch import direct
 
-try:  # the Hopper forward needs Triton's experimental Gluon API; without it the portable kernel runs
+try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
+    from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
     from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
 except ImportError:  # pragma: no cover - depends on the installed Triton
-    hopper = None
+    hopper = dkdv_hopper = None
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,7 +99,10 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
-    launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
+    if wrap is direct and tma != 0 and dkdv_hopper is not None and dkdv_hopper.usable(q, k, v, do):
+        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)  # Gluon, sm_90 (flash_dkdv_hopper)
+    else:
+        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
     return dq, dk, dv
 
 
@@ -163,9 +167,10 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
 
 @torch.compiler.assume_constant_result
 def _hopper_wanted(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the Gluon Hopper forward is wanted for this head dim, dtype and device (`flash_fwd_hopper.wanted`;
-    the custom op checks the strides at run time and otherwise runs the portable kernel): a constant to dynamo."""
-    return hopper is not None and hopper.wanted(d, dtype, device)
+    """Whether a Gluon Hopper kernel (forward or dK/dV) is wanted for this head dim, dtype and device (their
+    `wanted`; the custom ops check strides at run time and otherwise run the portable kernels): a constant to
+    dynamo."""
+    return hopper is not None and (hopper.wanted(d, dtype, device) or dkdv_hopper.wanted(d, dtype, device))
 
 
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -176,7 +181,7 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         return False
     n_queries, d = q.shape[-2:]
     if _hopper_wanted(d, q.dtype, q.device):
-        return False  # the Gluon forward is launched by the custom op (inductor cannot trace a Gluon kernel)
+        return False  # Gluon kernels are launched by the custom ops (inductor cannot trace a Gluon kernel)
     wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
     return not (wants_tma and k.is_contiguous() and v.is_contiguous())
 

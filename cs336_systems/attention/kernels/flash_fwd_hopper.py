@@ -209,34 +209,40 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     tma.store_wait(0)
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def aligned(t: torch.Tensor) -> bool:
     """TMA: a 16-byte aligned base and 16-byte multiples for every stride but the unit one on d."""
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
 
 
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this kernel is chosen for the head dim, dtype and device: a CUDA device of compute capability
-    9.x, a Triton release this file's Gluon API matches, bfloat16 / float16, and a head dim the environment
-    allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS).  No device work."""
-    choice = os.environ.get(ENV, "")
-    if choice == "0" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
+    """bfloat16 / float16 on a CUDA device of compute capability 9.x, with a Triton release whose Gluon API
+    these kernels are written against.  No device work."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     if not triton.__version__.startswith(TRITON_VERSIONS):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this kernel is chosen for the head dim, dtype and device: `supported_here`, and a head dim the
+    environment allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS)."""
+    choice = os.environ.get(ENV, "")
+    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+        return False
+    return supported_here(dtype, device)
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """`wanted` for q's head dim, dtype and device, and (Z, H, N, d) inputs with TMA-compatible strides."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
         return False  # the grid's second dimension is one program per (z, h), at most 65535
-    return all(t.dim() == 4 and _aligned(t) for t in (q, k, v))
+    return all(t.dim() == 4 and aligned(t) for t in (q, k, v))
 
 
-def _descriptor(t: torch.Tensor, rows: int):
+def descriptor(t: torch.Tensor, rows: int):
+    """A rank-4 TMA descriptor over the (Z, H, N, d) tensor t with (1, 1, rows, d) boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     block = [1, 1, rows, t.shape[-1]]
@@ -253,7 +259,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     bn = block_n(d)
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
     flash_fwd_hopper_kernel[grid](
-        _descriptor(q, BLOCK_M), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, BLOCK_M), lse,
+        descriptor(q, BLOCK_M), descriptor(k, bn), descriptor(v, bn), descriptor(o, BLOCK_M), lse,
         LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(d), num_warps=8,
     )

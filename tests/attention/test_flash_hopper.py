@@ -1,5 +1,5 @@
-"""The Gluon Hopper forward (flash_fwd_hopper): where it is chosen, and on an sm_90 GPU its O and L against
-float64, with the portable backward consuming its L.
+"""The Gluon Hopper kernels (flash_fwd_hopper, flash_dkdv_hopper): where they are chosen, and on an sm_90 GPU
+O, L, dQ, dK and dV against float64 with the Hopper kernels in the path.
 
 The kernel itself compiles only for sm_90 (no interpreter), so on CPU these tests check the selection rules
 and the dispatch; the GPU tests run on Hopper and skip elsewhere with the reason."""
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
 from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
 
 CUDA = torch.device("cuda")
@@ -23,6 +24,7 @@ def hopper_machine(monkeypatch):
     monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(hopper.triton, "__version__", "3.6.0")
     monkeypatch.delenv(hopper.ENV, raising=False)
+    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
 
 
 def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
@@ -51,13 +53,23 @@ def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monke
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
 
 
+def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
+    assert all(not dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.HEAD_DIMS
+               if d not in dkdv_hopper.DEFAULT_HEAD_DIMS)
+    monkeypatch.setenv(dkdv_hopper.ENV, "1")
+    assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
+    assert not dkdv_hopper.wanted(128, torch.float32, CUDA)
+    monkeypatch.setenv(dkdv_hopper.ENV, "0")
+    assert not any(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
+
+
 def test_tma_alignment_rules():
     t = torch.empty(2, 3, 64, 128, dtype=torch.bfloat16)
-    assert hopper._aligned(t)
-    assert hopper._aligned(torch.empty(2, 64, 3, 128, dtype=torch.bfloat16).transpose(1, 2))  # token-major view
-    assert not hopper._aligned(t[..., 1:])  # base 2 bytes off, and a 127-wide row
-    assert not hopper._aligned(torch.empty(2, 3, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
-    assert not hopper._aligned(t.transpose(-1, -2))  # d not the unit-stride dim
+    assert hopper.aligned(t)
+    assert hopper.aligned(torch.empty(2, 64, 3, 128, dtype=torch.bfloat16).transpose(1, 2))  # token-major view
+    assert not hopper.aligned(t[..., 1:])  # base 2 bytes off, and a 127-wide row
+    assert not hopper.aligned(torch.empty(2, 3, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
+    assert not hopper.aligned(t.transpose(-1, -2))  # d not the unit-stride dim
 
 
 def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
@@ -76,6 +88,25 @@ def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
     usable["yes"] = False
     flash_triton._forward(q, q, q, True)
     assert calls == ["hopper", "portable", "portable"]
+
+
+def test_backward_dispatches_dkdv_to_the_hopper_kernel_only_where_usable(monkeypatch):
+    """dQ (which also computes delta) always runs the portable kernel first; dK/dV goes to the Gluon kernel
+    where usable and never through inductor's wrapper."""
+    calls = []
+    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("dq"))
+    monkeypatch.setattr(flash_triton.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
+    monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
+    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
+    usable = {"yes": True}
+    monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["yes"])
+    q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
+    lse = torch.empty(1, 2, 16)
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
+    usable["yes"] = False
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    assert calls == ["dq", "hopper dkdv", "dq", "portable dkdv", "dq", "portable dkdv"]
 
 
 def test_traced_calls_keep_the_custom_op_where_the_hopper_forward_is_wanted(monkeypatch):
@@ -115,10 +146,10 @@ def _token_major(batch, heads, n, d, dtype, seed):
     token_major=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gpu_hopper_forward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
-    """O, the saved L and (through the portable backward, which reads that L) dQ, dK, dV against float64:
-    ragged ends, Nq != Nk, one query or one key, grouped K/V heads, token-major views; the Gluon kernel
-    must be the forward that ran."""
+def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
+    """O, the saved L, dQ, dK, dV against float64 with the Gluon forward and dK/dV in the path (the portable
+    dQ kernel reads the Gluon forward's L, the Gluon dK/dV its delta): ragged ends, Nq != Nk, one query or
+    one key, grouped K/V heads, token-major views; both Gluon kernels must have run."""
     hq, hkv = heads
     if token_major:
         q = _token_major(2, hq, nq, d, dtype, seed)
@@ -127,12 +158,14 @@ def test_gpu_hopper_forward_matches_float64_reference(heads, nq, nk, d, is_causa
         q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
         _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
     ran = []
-    real = hopper.forward
+    real_fwd, real_dkdv = hopper.forward, dkdv_hopper.dkdv
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
-        patch.setattr(hopper, "forward", lambda *args: ran.append(1) or real(*args))
+        patch.setenv(dkdv_hopper.ENV, "1")
+        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
+        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
-    assert ran, "the Hopper forward did not run"
+    assert "fwd" in ran and "dkdv" in ran, f"Hopper kernels that ran: {ran}"
 
 
 @pytest.mark.gpu

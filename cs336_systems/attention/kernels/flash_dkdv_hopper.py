@@ -1,0 +1,205 @@
+"""FlashAttention dK/dV for Hopper (sm_90) in Gluon: the backward's largest kernel with asynchronous warpgroup
+MMAs, so that each step's exponentials and elementwise work overlap tensor-core work.
+
+    dkdv(q, k, v, do, lse, delta, dk, dv, causal)
+    q, do: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32
+
+lse is the forward's L (natural log) and delta = rowsum(O * dO), which the portable dQ kernel
+(flash_kernels.flash_bwd_dq_kernel) computes and stores; launch that one first, as the portable backward does.
+
+One program of 8 warps owns BLOCK_N = 128 keys of one (z, h_kv) (64 per warpgroup: wgmma's M) with K and V
+resident in shared memory and dK, dV accumulating in registers, and walks the query tiles (BLOCK_M = 64 rows)
+of every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA ring.  Per query tile t:
+
+    S^T = K Q_t^T,  dP^T = V dO_t^T                 (two async wgmma groups, issued back to back)
+    wait for S^T (dP^T still running; dK/dV of tile t - 1 are then done too, freeing their ring stage)
+    P^T = exp2(S^T * log2(e)/sqrt(d) - L_t * log2(e)), masked       (overlaps dP^T)
+    wait for dP^T;  dS^T = P^T * (dP^T - delta_t)
+    dV += P^T dO_t,  dK += dS^T Q_t                  (async, left running into tile t + 1's S^T and dP^T)
+
+The portable kernel cannot express this: Triton waits for every wgmma right after issuing it
+(docs/flash-attention.md, Section 8).  dK is scaled by 1/sqrt(d) once at the end; dK and dV leave through
+shared memory (K's and V's buffers) and TMA stores, which drop rows past Nk.  Grouped-query attention: the
+query loop runs over the group's heads in turn, so dK and dV sum over the group with no atomics.
+
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
+shares); bfloat16 and float16; head dims 64 and 128.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+
+BLOCK_N = 128  # keys per program: two warpgroups x 64
+BLOCK_M = 64  # query rows per step
+HEAD_DIMS = (64, 128)
+ENV = "CS336_FLASH_HOPPER_BWD"  # "0": never; "1": every head dim in HEAD_DIMS; unset: DEFAULT_HEAD_DIMS
+DEFAULT_HEAD_DIMS: tuple[int, ...] = ()
+
+
+def stages(head_dim: int) -> int:
+    """Q/dO ring depth: K + V (64 KB at d 128) + 3 x (Q + dO) (96 KB) fit shared memory."""
+    return 3
+
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, tile, n_iter, m_tiles, lo_tile,
+               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA-load step `tile` (Q and dO rows of one query head) into its ring stage; a no-op past the last."""
+    stage = tile % NUM_STAGES
+    pred = tile < n_iter
+    h = kv_head * group + tile // m_tiles
+    m0 = (lo_tile + tile % m_tiles) * BLOCK_M
+    mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage), pred=pred)
+
+
+@gluon.jit
+def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale,
+                             n_q, n_k, heads, kv_heads, group,
+                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0) * BLOCK_N
+    zh = gl.program_id(1)
+    z = zh // kv_heads
+    kv_head = zh % kv_heads
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    k_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    k_smem = k_buf.reshape([BLOCK_N, HEAD_DIM])
+    v_smem = v_buf.reshape([BLOCK_N, HEAD_DIM])
+
+    # Query tiles this key block needs: causal, queries before start_n see none of its keys.
+    if CAUSAL:
+        lo_tile = start_n // BLOCK_M
+    else:
+        lo_tile = 0
+    m_tiles = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 1)  # at least 1: a divisor below
+    n_iter = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 0) * group
+    # Steps whose query tile lies wholly at or after the block's last key and inside Nq need no mask.
+    if CAUSAL:
+        diag_tiles = gl.cdiv(start_n + BLOCK_N, BLOCK_M) - lo_tile  # tiles crossing the diagonal
+    else:
+        diag_tiles = 0
+    full_end = n_q // BLOCK_M - lo_tile  # relative tiles that are complete (no rows past Nq)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
+    for t in gl.static_range(NUM_STAGES):
+        _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t, n_iter, m_tiles, lo_tile,
+                   BLOCK_M, NUM_STAGES)
+
+    # loop-carried as in-flight accumulators: each step waits for the previous step's products
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=key_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for t in range(n_iter):
+        stage = t % NUM_STAGES
+        rel = t % m_tiles
+        h = kv_head * group + t // m_tiles
+        m0 = (lo_tile + rel) * BLOCK_M
+        cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        row_base = (z * heads + h) * n_q
+        in_q = cols < n_q
+        lse = gl.load(L + row_base + cols, mask=in_q, other=0.0) * 1.4426950408889634
+        delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
+        mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+        q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
+        s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+        if t > 0:
+            _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
+                       m_tiles, lo_tile, BLOCK_M, NUM_STAGES)
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        if (rel < diag_tiles) | (rel >= full_end):
+            visible = gl.expand_dims(in_q, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
+            p_t = gl.where(visible, p_t, 0.0)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_s, do_s))[0]
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        ds_op = gl.convert_layout(ds_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    k_smem.store((dk * sm_scale).to(dtype))  # K's and V's buffers stage dK and dV for the TMA stores
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf)
+    tma.store_wait(0)
+
+
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """As `flash_fwd_hopper.wanted`, with this kernel's switch (ENV) and head dims."""
+    choice = os.environ.get(ENV, "")
+    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+        return False
+    return fwd.supported_here(dtype, device)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, and one program per (z, h_kv) in the grid."""
+    if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
+        return False
+    return all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do))
+
+
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
+    """dk, dv (like k, v; `usable` strides) written in place; lse, delta (Z, H, Nq) contiguous float32."""
+    n_q, d = q.shape[-2:]
+    n_k = k.shape[-2]
+    kv_heads = k.shape[1]
+    grid = (triton.cdiv(n_k, BLOCK_N), k.shape[0] * kv_heads)
+    flash_dkdv_hopper_kernel[grid](
+        fwd.descriptor(q, BLOCK_M), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
+        fwd.descriptor(do, BLOCK_M), fwd.descriptor(dk, BLOCK_N), fwd.descriptor(dv, BLOCK_N), lse, delta,
+        1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, n_k, q.shape[1], kv_heads, q.shape[1] // kv_heads,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages(d), num_warps=8,
+    )
