@@ -54,13 +54,35 @@ def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monke
 
 
 def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
-    assert all(not dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.HEAD_DIMS
-               if d not in dkdv_hopper.DEFAULT_HEAD_DIMS)
-    monkeypatch.setenv(dkdv_hopper.ENV, "1")
-    assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
+    assert dkdv_hopper.DEFAULT_HEAD_DIMS
+    assert all(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.DEFAULT_HEAD_DIMS)
+    assert not dkdv_hopper.wanted(96, torch.bfloat16, CUDA)
     assert not dkdv_hopper.wanted(128, torch.float32, CUDA)
+    monkeypatch.setenv(hopper.ENV, "0")  # the forward's switch leaves dK/dV alone
+    assert dkdv_hopper.wanted(dkdv_hopper.DEFAULT_HEAD_DIMS[0], torch.bfloat16, CUDA)
     monkeypatch.setenv(dkdv_hopper.ENV, "0")
     assert not any(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
+    monkeypatch.setenv(dkdv_hopper.ENV, "1")
+    assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
+
+
+def test_grouped_dkdv_takes_the_hopper_kernel_only_with_two_programs_per_sm(monkeypatch):
+    """A Gluon dK/dV program sums its whole group of query heads; with few K/V heads the portable kernel,
+    which spreads a group over programs, is kept."""
+    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
+    monkeypatch.setattr(dkdv_hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(dkdv_hopper.torch.cuda, "current_device", lambda: 0)
+    block_n = dkdv_hopper.tiles(128)[0]
+
+    def qkv(hq, hkv, n):
+        q = torch.empty(1, hq, n, 128, dtype=torch.bfloat16)
+        k = torch.empty(1, hkv, n, 128, dtype=torch.bfloat16)
+        return q, k, k, q
+
+    assert dkdv_hopper.usable(*qkv(4, 4, 64))  # no group: always
+    assert dkdv_hopper.usable(*qkv(32, 8, 264 // 8 * block_n))  # 264 programs = 2 per SM
+    assert not dkdv_hopper.usable(*qkv(32, 8, 263 // 8 * block_n))
+    assert not dkdv_hopper.usable(*qkv(32, 1, 8192))  # MQA at N 8192: 128 programs
 
 
 def test_tma_alignment_rules():
@@ -137,7 +159,7 @@ def _token_major(batch, heads, n, d, dtype, seed):
 @ON_HOPPER
 @settings(max_examples=40, deadline=None)
 @given(
-    heads=st.sampled_from([(3, 3), (8, 2), (4, 1)]),
+    heads=st.sampled_from([(3, 3), (8, 2), (4, 1), (64, 32)]),
     nq=st.sampled_from([1, 17, 128, 255, 1000, 2048]),
     nk=st.sampled_from([1, 63, 128, 257, 1025, 2048]),
     d=st.sampled_from(hopper.HEAD_DIMS),
@@ -165,7 +187,8 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
-    assert "fwd" in ran and "dkdv" in ran, f"Hopper kernels that ran: {ran}"
+        dkdv_expected = dkdv_hopper.usable(q, k, v, q)  # grouped heads need two programs per SM
+    assert "fwd" in ran and ("dkdv" in ran) == dkdv_expected, f"Hopper kernels that ran: {ran}"
 
 
 @pytest.mark.gpu

@@ -183,7 +183,7 @@ class FakeCuda:
 def h100_sms(monkeypatch):
     from cs336_systems.attention.kernels import flash_launch
 
-    monkeypatch.setattr(flash_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(flash_launch, "sm_count", lambda index: 132)
     return flash_launch
 
 

@@ -7,9 +7,9 @@ MMAs, so that each step's exponentials and elementwise work overlap tensor-core 
 lse is the forward's L (natural log) and delta = rowsum(O * dO), which the portable dQ kernel
 (flash_kernels.flash_bwd_dq_kernel) computes and stores; launch that one first, as the portable backward does.
 
-One program of 8 warps owns BLOCK_N = 128 keys of one (z, h_kv) (64 per warpgroup: wgmma's M) with K and V
-resident in shared memory and dK, dV accumulating in registers, and walks the query tiles (BLOCK_M = 64 rows)
-of every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA ring.  Per query tile t:
+One program of one warpgroup (4 warps) owns BLOCK_N = 64 keys of one (z, h_kv) (wgmma's M) with K and V
+resident in shared memory and dK, dV accumulating in registers, and walks the query tiles (BLOCK_M rows) of
+every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA ring.  Per query tile t:
 
     S^T = K Q_t^T,  dP^T = V dO_t^T                 (two async wgmma groups, issued back to back)
     wait for S^T (dP^T still running; dK/dV of tile t - 1 are then done too, freeing their ring stage)
@@ -18,8 +18,9 @@ of every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA 
     dV += P^T dO_t,  dK += dS^T Q_t                  (async, left running into tile t + 1's S^T and dP^T)
 
 The portable kernel cannot express this: Triton waits for every wgmma right after issuing it
-(docs/flash-attention.md, Section 8).  dK is scaled by 1/sqrt(d) once at the end; dK and dV leave through
-shared memory (K's and V's buffers) and TMA stores, which drop rows past Nk.  Grouped-query attention: the
+(docs/flash-attention.md, Section 8).  Small programs, several per SM, let one program's exponentials run
+under another's products; two warpgroups per program (BLOCK_N 128) measured slower (`tiles`).  dK is scaled
+by 1/sqrt(d) once at the end; dK and dV leave through shared memory (K's and V's buffers) and TMA stores, which drop rows past Nk.  Grouped-query attention: the
 query loop runs over the group's heads in turn, so dK and dV sum over the group with no atomics.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
@@ -45,17 +46,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_launch import sm_count
 
-BLOCK_N = 128  # keys per program: two warpgroups x 64
-BLOCK_M = 64  # query rows per step
 HEAD_DIMS = (64, 128)
 ENV = "CS336_FLASH_HOPPER_BWD"  # "0": never; "1": every head dim in HEAD_DIMS; unset: DEFAULT_HEAD_DIMS
-DEFAULT_HEAD_DIMS: tuple[int, ...] = ()
+# Head dims where it beat the portable dK/dV kernel (docs/flash-attention.md, Section 14).
+DEFAULT_HEAD_DIMS = (64, 128)
 
 
-def stages(head_dim: int) -> int:
-    """Q/dO ring depth: K + V (64 KB at d 128) + 3 x (Q + dO) (96 KB) fit shared memory."""
-    return 3
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys per program, BLOCK_M query rows per step, ring stages), measured on an H200 at
+    N 2048 and 16384: d 64 takes 64 x 64 with 3 stages, d 128 64 x 32 with 4 (a 64-row query step at d 128
+    holds S^T, dP^T, dK and dV in registers with too little room left).  Shared memory at d 128:
+    K + V 32 KB and 4 x (Q + dO) 64 KB."""
+    return (64, 64, 3) if head_dim <= 64 else (64, 32, 4)
 
 
 @gluon.jit
@@ -185,10 +189,19 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, and one program per (z, h_kv) in the grid."""
+    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, and a grid the kernel fills: at most 65535
+    (z, h_kv) slices, and for grouped K/V heads at least two programs per SM (a program sums its whole
+    group; with few K/V heads, MQA above all, the portable kernel spreads each group over several programs,
+    `flash_launch.group_splits`)."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
         return False
-    return all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do))
+    if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
+        return False
+    if q.shape[1] == k.shape[1]:
+        return True
+    programs = triton.cdiv(k.shape[-2], tiles(q.shape[-1])[0]) * k.shape[0] * k.shape[1]
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return programs >= 2 * sm_count(index)
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
@@ -196,10 +209,12 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
     n_q, d = q.shape[-2:]
     n_k = k.shape[-2]
     kv_heads = k.shape[1]
-    grid = (triton.cdiv(n_k, BLOCK_N), k.shape[0] * kv_heads)
+    block_n, block_m, stages = tiles(d)
+    grid = (triton.cdiv(n_k, block_n), k.shape[0] * kv_heads)
     flash_dkdv_hopper_kernel[grid](
-        fwd.descriptor(q, BLOCK_M), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
-        fwd.descriptor(do, BLOCK_M), fwd.descriptor(dk, BLOCK_N), fwd.descriptor(dv, BLOCK_N), lse, delta,
+        fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
+        fwd.descriptor(do, block_m), fwd.descriptor(dk, block_n), fwd.descriptor(dv, block_n), lse, delta,
         1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, n_k, q.shape[1], kv_heads, q.shape[1] // kv_heads,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=stages(d), num_warps=8,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
     )

@@ -135,7 +135,7 @@ MIN_TILES_PER_SPLIT = 2  # a chunk shorter than this many key tiles does not rep
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -163,7 +163,7 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig, split_head_dim: bo
     if q.device.type != "cuda" or split_head_dim:
         return 1
     programs = triton.cdiv(q.shape[-2], cfg.block_m) * slices(q)
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if 2 * programs > sms:
         return 1
     by_length = triton.cdiv(n_keys, cfg.block_n) // MIN_TILES_PER_SPLIT
@@ -249,7 +249,7 @@ def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
     if group == 1 or q.device.type != "cuda":
         return 1
     programs = triton.cdiv(k.shape[-2], cfg.block_n) * slices(k)
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     for splits in range(1, group + 1):
         if group % splits == 0 and programs * splits >= 2 * sms:
             return splits
