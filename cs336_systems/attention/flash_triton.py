@@ -165,23 +165,15 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     return bool(cfg["fwd"].tma or cfg["dq"].tma)
 
 
-@torch.compiler.assume_constant_result
-def _hopper_wanted(d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a Gluon Hopper kernel (forward or dK/dV) is wanted for this head dim, dtype and device (their
-    `wanted`; the custom ops check strides at run time and otherwise run the portable kernels): a constant to
-    dynamo."""
-    return hopper is not None and (hopper.wanted(d, dtype, device) or dkdv_hopper.wanted(d, dtype, device))
-
-
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
     `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
-    strided views that descriptors cannot cover)."""
+    strided views that descriptors cannot cover).  The `triton_op`s launch the portable kernels only (inductor
+    cannot trace a Gluon kernel); the custom ops run the Hopper kernels where `flash_fwd_hopper.usable` and
+    `flash_dkdv_hopper.usable` say so, which is at long sequences, where descriptors are configured too."""
     if KERNELS_INTERPRETED:
         return False
     n_queries, d = q.shape[-2:]
-    if _hopper_wanted(d, q.dtype, q.device):
-        return False  # Gluon kernels are launched by the custom ops (inductor cannot trace a Gluon kernel)
     wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
     return not (wants_tma and k.is_contiguous() and v.is_contiguous())
 

@@ -66,12 +66,14 @@ def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
     assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
 
 
-def test_grouped_dkdv_takes_the_hopper_kernel_only_with_two_programs_per_sm(monkeypatch):
-    """A Gluon dK/dV program sums its whole group of query heads; with few K/V heads the portable kernel,
-    which spreads a group over programs, is kept."""
+def test_dkdv_takes_the_hopper_kernel_only_with_two_programs_per_sm(monkeypatch):
+    """A Gluon dK/dV program sums its whole group of query heads over all its query tiles; with fewer than two
+    programs per SM the portable kernel (smaller key blocks, groups spread over programs) is kept, unless the
+    environment forces the Gluon kernel."""
     monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
-    monkeypatch.setattr(dkdv_hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(dkdv_hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
     block_n = dkdv_hopper.tiles(128)[0]
 
     def qkv(hq, hkv, n):
@@ -79,10 +81,33 @@ def test_grouped_dkdv_takes_the_hopper_kernel_only_with_two_programs_per_sm(monk
         k = torch.empty(1, hkv, n, 128, dtype=torch.bfloat16)
         return q, k, k, q
 
-    assert dkdv_hopper.usable(*qkv(4, 4, 64))  # no group: always
     assert dkdv_hopper.usable(*qkv(32, 8, 264 // 8 * block_n))  # 264 programs = 2 per SM
     assert not dkdv_hopper.usable(*qkv(32, 8, 263 // 8 * block_n))
     assert not dkdv_hopper.usable(*qkv(32, 1, 8192))  # MQA at N 8192: 128 programs
+    assert not dkdv_hopper.usable(*qkv(1, 1, 16384))  # B*H 1 at N 16384: 256 programs
+    assert dkdv_hopper.usable(*qkv(1, 1, 32768))
+    monkeypatch.setenv(dkdv_hopper.ENV, "1")
+    assert dkdv_hopper.usable(*qkv(32, 1, 8192))
+
+
+def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(monkeypatch):
+    monkeypatch.setattr(hopper, "wanted", lambda *args: True)
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+
+    def qkv(bh, nq, nk):
+        q = torch.empty(1, bh, nq, 128, dtype=torch.bfloat16)
+        k = torch.empty(1, bh, nk, 128, dtype=torch.bfloat16)
+        return q, k, k
+
+    assert hopper.usable(*qkv(8, 16384, 16384))  # 1024 programs
+    assert hopper.usable(*qkv(1, 32768, 32768))  # 256 programs: one per SM
+    assert not hopper.usable(*qkv(1, 16384, 16384))  # 128 programs
+    assert not hopper.usable(*qkv(64, 2048, 2048))  # enough programs, rows too short
+    assert not hopper.usable(*qkv(64, 16384, 8192))
+    monkeypatch.setenv(hopper.ENV, "1")
+    assert hopper.usable(*qkv(1, 128, 128))
 
 
 def test_tma_alignment_rules():
@@ -129,17 +154,6 @@ def test_backward_dispatches_dkdv_to_the_hopper_kernel_only_where_usable(monkeyp
     usable["yes"] = False
     flash_triton._backward(q, q, q, q, lse, q, True)
     assert calls == ["dq", "hopper dkdv", "dq", "portable dkdv", "dq", "portable dkdv"]
-
-
-def test_traced_calls_keep_the_custom_op_where_the_hopper_forward_is_wanted(monkeypatch):
-    """inductor cannot trace a Gluon kernel: a traced call that wants it goes through the custom op."""
-    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
-    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)
-    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(flash_triton, "_hopper_wanted", lambda *args: True)
-    assert not flash_triton._inductor_path(q, q, q, True)
-    monkeypatch.setattr(flash_triton, "_hopper_wanted", lambda *args: False)
-    assert flash_triton._inductor_path(q, q, q, True)
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
@@ -193,10 +207,11 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
 
 @pytest.mark.gpu
 @ON_HOPPER
-def test_gpu_hopper_forward_runs_under_torch_compile_fullgraph():
-    """A compiled call at d 128 keeps the custom op (the Gluon kernel inside) and equals the eager call."""
+def test_gpu_compiles_fullgraph_with_the_hopper_kernels_on():
+    """torch.compile(fullgraph=True) at a size where both Gluon kernels are chosen by default: the traced call
+    runs (custom ops or inductor's launches of the portable kernels) and matches float64."""
     torch._dynamo.reset()
-    q, k, v = random_qkv((2, 4), 300, 300, 128, torch.bfloat16, "cuda", seed=5)
+    q, k, v = random_qkv((1, 3), 16384, 16384, 128, torch.bfloat16, "cuda", seed=5)
+    assert hopper.usable(q, k, v) and dkdv_hopper.usable(q, k, v, q)
     compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
-    out = compiled(q, k, v, True)
-    torch.testing.assert_close(out, FlashAttentionTriton.apply(q, k, v, True), rtol=0, atol=0)
+    assert_flash_accuracy(lambda *a: compiled(*a), q, k, v, True, check_saved=False)

@@ -46,12 +46,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import sm_count
 
 HEAD_DIMS = (64, 128)
-ENV = "CS336_FLASH_HOPPER_BWD"  # "0": never; "1": every head dim in HEAD_DIMS; unset: DEFAULT_HEAD_DIMS
-# Head dims where it beat the portable dK/dV kernel (docs/flash-attention.md, Section 14).
+# "0": never; "1": every head dim in HEAD_DIMS and any grid the inputs allow; unset: DEFAULT_HEAD_DIMS with at
+# least two programs per SM (`usable`; docs/flash-attention.md, Section 14).
+ENV = "CS336_FLASH_HOPPER_BWD"
 DEFAULT_HEAD_DIMS = (64, 128)
+MIN_PROGRAMS_PER_SM = 2  # measured: 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -189,19 +190,19 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, and a grid the kernel fills: at most 65535
-    (z, h_kv) slices, and for grouped K/V heads at least two programs per SM (a program sums its whole
-    group; with few K/V heads, MQA above all, the portable kernel spreads each group over several programs,
-    `flash_launch.group_splits`)."""
+    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, at most 65535 (z, h_kv) slices, and (unless
+    ENV is "1") at least two programs per SM: a program sums its whole group of query heads over all its
+    query tiles, so few programs (few K/V heads, MQA above all, or B·H_kv 1 below N 32768) leave SMs idle or
+    the causal grid unbalanced, where the portable kernel uses smaller key blocks or spreads a group over
+    several programs (`flash_launch.group_splits`)."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
         return False
     if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
         return False
-    if q.shape[1] == k.shape[1]:
+    if os.environ.get(ENV) == "1":
         return True
     programs = triton.cdiv(k.shape[-2], tiles(q.shape[-1])[0]) * k.shape[0] * k.shape[1]
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return programs >= 2 * sm_count(index)
+    return fwd.enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:

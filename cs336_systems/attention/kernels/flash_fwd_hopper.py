@@ -47,12 +47,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cs336_systems.attention.kernels.flash_launch import sm_count
+
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
 HEAD_DIMS = (64, 128)
-ENV = "CS336_FLASH_HOPPER_FWD"  # "0": never; "1": wherever the inputs allow (default: where it measured faster)
-# Head dims where this kernel beat the portable forward on the H100 (docs/flash-attention.md, Section 14).
-DEFAULT_HEAD_DIMS = (128,)
+# "0": never; "1": every head dim in HEAD_DIMS and any problem size the inputs allow; unset: the measured
+# defaults below (docs/flash-attention.md, Section 14).
+ENV = "CS336_FLASH_HOPPER_FWD"
+DEFAULT_HEAD_DIMS = (128,)  # at d 64 the portable forward measured as fast or faster
+# Default size rule: keys per row and programs per SM.  Shorter rows do not amortize a program's unoverlapped
+# first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
+# kernel splits keys across programs instead.
+MIN_KEYS = 16384
+MIN_PROGRAMS_PER_SM = 1
 # The Gluon API this file is written against; other Triton versions take the portable kernel.
 TRITON_VERSIONS = ("3.6.",)
 
@@ -234,11 +242,24 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return supported_here(dtype, device)
 
 
+def enough_work(programs: int, device: torch.device, per_sm: int) -> bool:
+    """At least `per_sm` programs per SM of the device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return programs >= per_sm * sm_count(index)
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """`wanted` for q's head dim, dtype and device, and (Z, H, N, d) inputs with TMA-compatible strides."""
+    """`wanted` for q's head dim, dtype and device, (Z, H, N, d) inputs with TMA-compatible strides, and
+    (unless ENV is "1") at least MIN_KEYS keys and MIN_PROGRAMS_PER_SM programs per SM (measured: 256
+    programs at B·H 1, N 32768 won, 128 at N 16384 lost)."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
         return False  # the grid's second dimension is one program per (z, h), at most 65535
-    return all(t.dim() == 4 and aligned(t) for t in (q, k, v))
+    if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
+        return False
+    if os.environ.get(ENV) == "1":
+        return True
+    programs = triton.cdiv(q.shape[-2], BLOCK_M) * q.shape[0] * q.shape[1]
+    return k.shape[-2] >= MIN_KEYS and enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
 
 
 def descriptor(t: torch.Tensor, rows: int):
