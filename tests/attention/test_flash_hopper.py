@@ -66,28 +66,29 @@ def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
     assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
 
 
-def test_dkdv_takes_the_hopper_kernel_only_with_two_programs_per_sm(monkeypatch):
-    """A Gluon dK/dV program sums its whole group of query heads over all its query tiles; with fewer than two
-    programs per SM the portable kernel (smaller key blocks, groups spread over programs) is kept, unless the
-    environment forces the Gluon kernel."""
+def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch):
+    """Defaults: no grouped K/V heads, at least MIN_QUERIES queries and two programs per SM; elsewhere the
+    portable kernel (smaller key blocks, groups spread over programs), unless the environment forces it."""
     monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
     monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
     block_n = dkdv_hopper.tiles(128)[0]
 
-    def qkv(hq, hkv, n):
-        q = torch.empty(1, hq, n, 128, dtype=torch.bfloat16)
-        k = torch.empty(1, hkv, n, 128, dtype=torch.bfloat16)
+    def qkv(hq, hkv, n, z=1):
+        q = torch.empty(z, hq, n, 128, dtype=torch.bfloat16)
+        k = torch.empty(z, hkv, n, 128, dtype=torch.bfloat16)
         return q, k, k, q
 
-    assert dkdv_hopper.usable(*qkv(32, 8, 264 // 8 * block_n))  # 264 programs = 2 per SM
-    assert not dkdv_hopper.usable(*qkv(32, 8, 263 // 8 * block_n))
-    assert not dkdv_hopper.usable(*qkv(32, 1, 8192))  # MQA at N 8192: 128 programs
-    assert not dkdv_hopper.usable(*qkv(1, 1, 16384))  # B*H 1 at N 16384: 256 programs
-    assert dkdv_hopper.usable(*qkv(1, 1, 32768))
+    assert dkdv_hopper.usable(*qkv(16, 16, 2048, z=4))  # 2048 programs
+    assert not dkdv_hopper.usable(*qkv(25, 25, 512, z=4))  # 800 programs, but a short sequence
+    assert dkdv_hopper.usable(*qkv(1, 1, 32768))  # 512 programs
+    assert not dkdv_hopper.usable(*qkv(1, 1, 16384))  # 256 programs: fewer than 2 per SM
+    assert dkdv_hopper.usable(*qkv(2, 2, 16384))  # 512 programs
+    assert not dkdv_hopper.usable(*qkv(2, 2, 128 * block_n))  # 256 programs
+    assert not dkdv_hopper.usable(*qkv(32, 8, 16384))  # grouped heads: not measured, portable
     monkeypatch.setenv(dkdv_hopper.ENV, "1")
-    assert dkdv_hopper.usable(*qkv(32, 1, 8192))
+    assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
 
 
 def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(monkeypatch):

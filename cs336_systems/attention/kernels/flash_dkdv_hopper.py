@@ -48,11 +48,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
 
 HEAD_DIMS = (64, 128)
-# "0": never; "1": every head dim in HEAD_DIMS and any grid the inputs allow; unset: DEFAULT_HEAD_DIMS with at
-# least two programs per SM (`usable`; docs/flash-attention.md, Section 14).
+# "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
+# it measured faster (`usable`; docs/flash-attention.md, Section 14).
 ENV = "CS336_FLASH_HOPPER_BWD"
 DEFAULT_HEAD_DIMS = (64, 128)
 MIN_PROGRAMS_PER_SM = 2  # measured: 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won
+MIN_QUERIES = 2048  # the shortest sequence where it measured faster (B 4, H 16, N 2048)
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -190,17 +191,20 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, at most 65535 (z, h_kv) slices, and (unless
-    ENV is "1") at least two programs per SM: a program sums its whole group of query heads over all its
-    query tiles, so few programs (few K/V heads, MQA above all, or B·H_kv 1 below N 32768) leave SMs idle or
-    the causal grid unbalanced, where the portable kernel uses smaller key blocks or spreads a group over
-    several programs (`flash_launch.group_splits`)."""
+    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, at most 65535 (z, h_kv) slices, and, unless
+    ENV is "1", the measured territory: at least MIN_QUERIES queries, no grouped K/V heads, and at least
+    MIN_PROGRAMS_PER_SM programs per SM.  Few programs (B·H_kv 1 below N 32768) leave the causal grid
+    unbalanced, where the portable kernel's smaller key blocks do better; shorter sequences and grouped heads
+    (a program sums its whole group; the portable kernel spreads a group over programs,
+    `flash_launch.group_splits`) were not measured, so they keep the portable kernel."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
         return False
     if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
         return False
     if os.environ.get(ENV) == "1":
         return True
+    if q.shape[-2] < MIN_QUERIES or q.shape[1] != k.shape[1]:
+        return False
     programs = triton.cdiv(k.shape[-2], tiles(q.shape[-1])[0]) * k.shape[0] * k.shape[1]
     return fwd.enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
 
