@@ -8,7 +8,8 @@ attention    the handout's PyTorch-attention sweep (1.2.1): batch 8, q, k, v of 
 flash        FlashAttention-2 (Triton) against naive and PyTorch's fused kernels (SDPA pinned to
              FlashAttention-2 and to cuDNN): batch 1, causal, N from 128 to 65536 x d x bf16/fp32,
              forward, backward and both.
-leaderboard  the assignment's leaderboard shape (B=1, H=16, N=16384, d=64, bf16, causal) timed as
+leaderboard  the assignment's leaderboard shape (B=1, H=16, N=16384, d=64, bf16, causal), and the same at
+             H=8, d=128, timed as
              triton.testing.do_bench does: median, L2 flushed before every round; flash-triton (through
              torch.compile with compile=true) next to SDPA's FlashAttention-2 and cuDNN in the same run.
 

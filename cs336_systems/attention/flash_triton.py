@@ -6,7 +6,8 @@
 Layouts: the kernels address a slice as z * stride_z + h * stride_h with a row stride, so (Z, H, N, d)
 inputs with any strides but a unit one on d are read in place (a head-major view of token-major
 (B, N, H, d) memory, as the model passes, costs no copy), and O, dQ, dK, dV come back in the layout of
-q, k, v.  Unmasked K/V tiles go through TMA descriptors only for contiguous K and V.
+q, k, v.  The portable kernels load unmasked K/V tiles through TMA descriptors only for contiguous K and V (the
+Hopper kernels below take rank-4 descriptors over strided views).
 
 Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv dividing Hq; query head h reads
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
@@ -22,9 +23,10 @@ launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) two of the launches may instead be Gluon kernels
 with asynchronous warpgroup MMAs: the forward at d 128 (`kernels/flash_fwd_hopper`) and dK/dV at d 64 and 128
-(`kernels/flash_dkdv_hopper`), where their `usable` rules say they measured faster (long sequences); same inputs and
-outputs, same saved L.  ``CS336_FLASH_HOPPER_FWD`` / ``CS336_FLASH_HOPPER_BWD``: ``0`` never, ``1`` wherever the
-inputs allow (docs/flash-attention.md, Section 14).
+(`kernels/flash_dkdv_hopper`), where their `usable` rules say they measured faster (long sequences); same
+inputs and outputs, same saved L; eager calls and the custom ops only (`_inductor_path`).
+``CS336_FLASH_HOPPER_FWD`` / ``CS336_FLASH_HOPPER_BWD``: ``0`` never, ``1`` wherever the inputs allow
+(docs/flash-attention.md, Section 14).
 
 Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
 are registered operators, chosen once per traced shape (`_inductor_path`):
@@ -176,7 +178,9 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
     strided views that descriptors cannot cover).  The `triton_op`s launch the portable kernels only (inductor
     cannot trace a Gluon kernel); the custom ops run the Hopper kernels where `flash_fwd_hopper.usable` and
-    `flash_dkdv_hopper.usable` say so, which is at long sequences, where descriptors are configured too."""
+    `flash_dkdv_hopper.usable` say so.  So a traced call gets a Gluon kernel only where the portable
+    configuration wants descriptors (at d 128 the tuned table never does: compiled d 128 calls run the
+    portable kernels; docs/flash-attention.md, Section 14)."""
     if KERNELS_INTERPRETED:
         return False
     n_queries, d = q.shape[-2:]

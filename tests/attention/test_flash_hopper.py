@@ -7,13 +7,16 @@ and the dispatch; the GPU tests run on Hopper and skip elsewhere with the reason
 import pytest
 import torch
 from attention_reference import assert_flash_accuracy, random_qkv
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
-from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
-from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
+
+# The Gluon API is experimental: a Triton release without these names skips this file (flash_triton then
+# runs the portable kernels only).
+hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper")
+dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_hopper")
 
 CUDA = torch.device("cuda")
 
@@ -111,6 +114,18 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert hopper.usable(*qkv(1, 128, 128))
 
 
+def test_tma_switch_and_bad_switch_values(hopper_machine, monkeypatch):
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")  # no descriptors anywhere: these kernels are TMA kernels
+    assert not hopper.wanted(128, torch.bfloat16, CUDA)
+    assert not dkdv_hopper.wanted(64, torch.bfloat16, CUDA)
+    monkeypatch.delenv("CS336_FLASH_TMA")
+    for module in (hopper, dkdv_hopper):
+        monkeypatch.setenv(module.ENV, "yes")
+        with pytest.raises(ValueError, match=f"{module.ENV} must be 0 or 1, got 'yes'"):
+            module.wanted(128, torch.bfloat16, CUDA)
+        monkeypatch.delenv(module.ENV)
+
+
 def test_tma_alignment_rules():
     t = torch.empty(2, 3, 64, 128, dtype=torch.bfloat16)
     assert hopper.aligned(t)
@@ -118,6 +133,8 @@ def test_tma_alignment_rules():
     assert not hopper.aligned(t[..., 1:])  # base 2 bytes off, and a 127-wide row
     assert not hopper.aligned(torch.empty(2, 3, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
     assert not hopper.aligned(t.transpose(-1, -2))  # d not the unit-stride dim
+    assert not hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(2, 3, 64, 128))  # broadcast
+    assert hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(1, 3, 64, 128))
 
 
 def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
@@ -183,6 +200,11 @@ def _token_major(batch, heads, n, d, dtype, seed):
     token_major=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+# Fixed edge cases: causal key blocks that see no query (dK, dV must be zeros), one key, grouped heads at
+# ragged lengths.
+@example(heads=(3, 3), nq=17, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
+@example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, seed=2)
+@example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
 def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
     """O, the saved L, dQ, dK, dV against float64 with the Gluon forward and dK/dV in the path (the portable
     dQ kernel reads the Gluon forward's L, the Gluon dK/dV its delta): ragged ends, Nq != Nk, one query or
@@ -202,17 +224,4 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
-        dkdv_expected = dkdv_hopper.usable(q, k, v, q)  # grouped heads need two programs per SM
-    assert "fwd" in ran and ("dkdv" in ran) == dkdv_expected, f"Hopper kernels that ran: {ran}"
-
-
-@pytest.mark.gpu
-@ON_HOPPER
-def test_gpu_compiles_fullgraph_with_the_hopper_kernels_on():
-    """torch.compile(fullgraph=True) at a size where both Gluon kernels are chosen by default: the traced call
-    runs (custom ops or inductor's launches of the portable kernels) and matches float64."""
-    torch._dynamo.reset()
-    q, k, v = random_qkv((1, 3), 16384, 16384, 128, torch.bfloat16, "cuda", seed=5)
-    assert hopper.usable(q, k, v) and dkdv_hopper.usable(q, k, v, q)
-    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
-    assert_flash_accuracy(lambda *a: compiled(*a), q, k, v, True, check_saved=False)
+    assert "fwd" in ran and "dkdv" in ran, f"Hopper kernels that ran: {ran}"  # forced on: both must run

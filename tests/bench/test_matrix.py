@@ -191,13 +191,14 @@ def test_flash_graph_groups_cover_the_long_bf16_sweep_without_backward_mode(data
             assert {(n, d, "flash-triton"), (n, d, "sdpa-flash")} <= bf16
 
 
-def test_leaderboard_profile_is_the_leaderboard_shape(data):
+def test_leaderboard_profile_is_the_leaderboard_shapes(data):
+    """The assignment's shape (H 16, d 64) and the d 128 one (H 8), each with every implementation."""
     cases = matrix.parse(data).cases("leaderboard", "gpu")
-    assert cases
-    for c in cases:
-        assert (c["batch_size"], c["heads"], c["seq_len"], c["head_dim"], c["dtype"], c["causal"]) == (
-            1, 16, 16384, 64, "bf16", True)
-        assert c["flush_l2"] is True
+    shapes = {(c["batch_size"], c["heads"], c["seq_len"], c["head_dim"], c["dtype"], c["causal"]) for c in cases}
+    assert shapes == {(1, 16, 16384, 64, "bf16", True), (1, 8, 16384, 128, "bf16", True)}
+    for d in (64, 128):
+        assert {c["impl"] for c in cases if c["head_dim"] == d} == {"flash-triton", "sdpa-flash", "sdpa-cudnn"}
+    assert all(c["flush_l2"] is True for c in cases)
     assert {(c["impl"], c["compile"]) for c in cases} >= {
         ("flash-triton", True), ("sdpa-flash", False), ("sdpa-cudnn", False)}
     assert {c["mode"] for c in cases} == {"forward", "backward", "forward-backward"}

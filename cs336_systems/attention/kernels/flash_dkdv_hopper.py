@@ -20,8 +20,9 @@ every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA rin
 The portable kernel cannot express this: Triton waits for every wgmma right after issuing it
 (docs/flash-attention.md, Section 8).  Small programs, several per SM, let one program's exponentials run
 under another's products; two warpgroups per program (BLOCK_N 128) measured slower (`tiles`).  dK is scaled
-by 1/sqrt(d) once at the end; dK and dV leave through shared memory (K's and V's buffers) and TMA stores, which drop rows past Nk.  Grouped-query attention: the
-query loop runs over the group's heads in turn, so dK and dV sum over the group with no atomics.
+by 1/sqrt(d) once at the end; dK and dV leave through shared memory (K's and V's buffers) and TMA stores,
+which drop rows past Nk.  Grouped-query attention: the query loop runs over the group's heads in turn, so
+dK and dV sum over the group with no atomics.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
 shares); bfloat16 and float16; head dims 64 and 128.
@@ -30,7 +31,6 @@ shares); bfloat16 and float16; head dims 64 and 128.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -157,6 +157,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
                        m_tiles, lo_tile, BLOCK_M, NUM_STAGES)
+        # keys past Nk (zero-filled K) are not masked: their dK/dV rows are dropped by the TMA stores
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         if (rel < diag_tiles) | (rel >= full_end):
             visible = gl.expand_dims(in_q, 0)
@@ -184,7 +185,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """As `flash_fwd_hopper.wanted`, with this kernel's switch (ENV) and head dims."""
-    choice = os.environ.get(ENV, "")
+    choice = fwd.switch(ENV)
     if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
         return False
     return fwd.supported_here(dtype, device)
@@ -201,7 +202,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
         return False
     if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
         return False
-    if os.environ.get(ENV) == "1":
+    if fwd.switch(ENV) == "1":
         return True
     if q.shape[-2] < MIN_QUERIES or q.shape[1] != k.shape[1]:
         return False

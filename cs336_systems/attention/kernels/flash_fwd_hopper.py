@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels.flash_launch import sm_count
+from cs336_systems.attention.kernels.flash_launch import TMA_ENV, sm_count
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
@@ -158,6 +158,8 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     for t in gl.static_range(NUM_STAGES):
         _load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
 
+    # -1e6 as the starting max is safe because causal attention here is aligned at position 0: key 0 is
+    # visible to every row, and tile 0 is processed first
     m_i = gl.full([BLOCK_M], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -217,16 +219,34 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     tma.store_wait(0)
 
 
-def aligned(t: torch.Tensor) -> bool:
-    """TMA: a 16-byte aligned base and 16-byte multiples for every stride but the unit one on d."""
+def strides_ok(t: torch.Tensor) -> bool:
+    """TMA strides: unit on d, and every other one a positive multiple of 16 bytes (a broadcast, zero-stride
+    dimension of size > 1 is refused: not a layout these kernels were tested with)."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+    return t.stride(-1) == 1 and all((s * size) % 16 == 0 and (s > 0 or n == 1)
+                                     for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """`strides_ok` and a 16-byte aligned base address."""
+    return t.data_ptr() % 16 == 0 and strides_ok(t)
+
+
+def switch(env: str) -> str:
+    """The value of a kernel switch: "" (unset: the measured defaults), "0" or "1"; ValueError otherwise."""
+    value = os.environ.get(env, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
+    return value
 
 
 def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
     """bfloat16 / float16 on a CUDA device of compute capability 9.x, with a Triton release whose Gluon API
-    these kernels are written against.  No device work."""
+    these kernels are written against, and TMA not switched off (``CS336_FLASH_TMA=0`` means no descriptors
+    anywhere, these kernels included).  No device work."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if os.environ.get(TMA_ENV, "") == "0":
         return False
     if not triton.__version__.startswith(TRITON_VERSIONS):
         return False
@@ -236,7 +256,7 @@ def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this kernel is chosen for the head dim, dtype and device: `supported_here`, and a head dim the
     environment allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS)."""
-    choice = os.environ.get(ENV, "")
+    choice = switch(ENV)
     if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
         return False
     return supported_here(dtype, device)
@@ -256,7 +276,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False  # the grid's second dimension is one program per (z, h), at most 65535
     if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
         return False
-    if os.environ.get(ENV) == "1":
+    if switch(ENV) == "1":
         return True
     programs = triton.cdiv(q.shape[-2], BLOCK_M) * q.shape[0] * q.shape[1]
     return k.shape[-2] >= MIN_KEYS and enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
