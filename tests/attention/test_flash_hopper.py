@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.kernels import flash_launch
 
 # The Gluon API is experimental: a Triton release without these names skips this file (flash_triton then
 # runs the portable kernels only).
@@ -21,10 +22,16 @@ dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_ho
 CUDA = torch.device("cuda")
 
 
+def _pretend_capability(monkeypatch, major):
+    """The (cached) capability lookup every call makes answers `major` for any CUDA device."""
+    monkeypatch.setattr(flash_launch, "_capability_major", lambda index: major)
+    monkeypatch.setattr(flash_launch.torch.cuda, "current_device", lambda: 0)
+
+
 @pytest.fixture
 def hopper_machine(monkeypatch):
     """Pretend to be an sm_90 device with the Triton release the Gluon code is written against."""
-    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _pretend_capability(monkeypatch, 9)
     monkeypatch.setattr(hopper.triton, "__version__", "3.6.0")
     monkeypatch.delenv(hopper.ENV, raising=False)
     monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
@@ -47,11 +54,11 @@ def test_environment_switches_it_off_or_on_for_every_supported_head_dim(hopper_m
 
 
 def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monkeypatch):
-    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    _pretend_capability(monkeypatch, 8)
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    _pretend_capability(monkeypatch, 10)
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    monkeypatch.setattr(hopper.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _pretend_capability(monkeypatch, 9)
     monkeypatch.setattr(hopper.triton, "__version__", "3.9.0")
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
 
@@ -135,6 +142,18 @@ def test_tma_alignment_rules():
     assert not hopper.aligned(t.transpose(-1, -2))  # d not the unit-stride dim
     assert not hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(2, 3, 64, 128))  # broadcast
     assert hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(1, 3, 64, 128))
+
+
+def test_descriptors_cover_strided_views_in_place():
+    """Rank-4 boxes of (1, 1, rows, d) over the tensor's own strides (a token-major view is not copied); the
+    box layout is built once per (rows, d, dtype)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    t = torch.empty(2, 256, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
+    desc = hopper.descriptor(t, 64)
+    assert list(desc.block_shape) == [1, 1, 64, 128] and tuple(desc.strides) == t.stride()
+    assert list(desc.shape) == list(t.shape) and desc.base is t
+    assert hopper.descriptor(t, 64).layout is desc.layout
+    assert hopper.descriptor(t.to(torch.float16), 64).layout is not desc.layout
 
 
 def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):

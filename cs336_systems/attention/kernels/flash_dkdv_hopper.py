@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_launch import env_switch
 
 HEAD_DIMS = (64, 128)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
@@ -185,7 +186,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """As `flash_fwd_hopper.wanted`, with this kernel's switch (ENV) and head dims."""
-    choice = fwd.switch(ENV)
+    choice = env_switch(ENV)
     if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
         return False
     return fwd.supported_here(dtype, device)
@@ -202,7 +203,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
         return False
     if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
         return False
-    if fwd.switch(ENV) == "1":
+    if env_switch(ENV) == "1":
         return True
     if q.shape[-2] < MIN_QUERIES or q.shape[1] != k.shape[1]:
         return False

@@ -32,6 +32,7 @@ this kernel is taken.  bfloat16 and float16 only; head dims 64 and 128 (`HEAD_DI
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -47,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels.flash_launch import TMA_ENV, sm_count
+from cs336_systems.attention.kernels.flash_launch import capability_major, env_switch, sm_count, tma_enabled
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
@@ -232,31 +233,21 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and strides_ok(t)
 
 
-def switch(env: str) -> str:
-    """The value of a kernel switch: "" (unset: the measured defaults), "0" or "1"; ValueError otherwise."""
-    value = os.environ.get(env, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
-    return value
-
-
 def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
     """bfloat16 / float16 on a CUDA device of compute capability 9.x, with a Triton release whose Gluon API
     these kernels are written against, and TMA not switched off (``CS336_FLASH_TMA=0`` means no descriptors
-    anywhere, these kernels included).  No device work."""
+    anywhere, these kernels included; `flash_launch.tma_enabled`).  No device work."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if os.environ.get(TMA_ENV, "") == "0":
         return False
     if not triton.__version__.startswith(TRITON_VERSIONS):
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return tma_enabled(device) and capability_major(device) == 9
 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this kernel is chosen for the head dim, dtype and device: `supported_here`, and a head dim the
     environment allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS)."""
-    choice = switch(ENV)
+    choice = env_switch(ENV)
     if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
         return False
     return supported_here(dtype, device)
@@ -276,19 +267,24 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False  # the grid's second dimension is one program per (z, h), at most 65535
     if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
         return False
-    if switch(ENV) == "1":
+    if env_switch(ENV) == "1":
         return True
     programs = triton.cdiv(q.shape[-2], BLOCK_M) * q.shape[0] * q.shape[1]
     return k.shape[-2] >= MIN_KEYS and enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
+
+
+@functools.cache
+def _box_layout(rows: int, head_dim: int, bf16: bool):
+    """The shared-memory layout of a (1, 1, rows, head_dim) box (made once: descriptors are built every call)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
 
 
 def descriptor(t: torch.Tensor, rows: int):
     """A rank-4 TMA descriptor over the (Z, H, N, d) tensor t with (1, 1, rows, d) boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype is torch.bfloat16 else gl.float16)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    layout = _box_layout(rows, t.shape[-1], t.dtype is torch.bfloat16)
+    return TensorDescriptor.from_tensor(t, [1, 1, rows, t.shape[-1]], layout)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,

@@ -79,17 +79,27 @@ def use_tma(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() // t.shape[-1] < 2**31
 
 
+def env_switch(name: str) -> str:
+    """An on/off environment switch: "" (unset: the measured default), "0" or "1"; ValueError otherwise."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value
+
+
 def tma_enabled(device: torch.device) -> bool:
     """Whether descriptors may be used on ``device`` at all: an sm_90+ GPU or the interpreter, and not
     forced off by ``CS336_FLASH_TMA=0`` (ValueError for any other value than 0 or 1)."""
-    forced = os.environ.get(TMA_ENV, "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {forced!r}")
-    if forced == "0":
+    if env_switch(TMA_ENV) == "0":
         return False
     if device.type == "cuda":
-        return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+        return capability_major(device) >= 9
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def capability_major(device: torch.device) -> int:
+    """The CUDA device's compute capability major (cached per device: this is asked on every call)."""
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
