@@ -78,6 +78,19 @@ def stages(head_dim: int) -> int:
 
 
 @gluon.jit
+def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """A TMA ring in shared memory: NUM_STAGES stages of one (1, 1, ROWS, HEAD_DIM) box of each of two
+    tensors, and one mbarrier per stage that both boxes of the stage complete (initialized; the caller fences
+    after its own barriers).  Returns (a stages, b stages, barriers)."""
+    a_buf = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 1, 1, ROWS, HEAD_DIM], a_desc.layout)
+    b_buf = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, 1, 1, ROWS, HEAD_DIM], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    return a_buf, b_buf, ready
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr):
     """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
@@ -136,13 +149,9 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+    k_buf, v_buf, ready = alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
     fence_async_shared()
     q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
 
