@@ -436,11 +436,7 @@ def flash_bwd_dkdv_kernel(
         dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
         dv2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
     else:  # placeholders, never read
-        offs_d2 = offs_d
-        k2 = k
-        v2 = v
-        dk2 = dk
-        dv2 = dv
+        offs_d2, k2, v2, dk2, dv2 = offs_d, k, v, dk, dv
 
     if CAUSAL:
         # Queries before start_n see none of these keys.  Query tiles starting at or after the tile's
@@ -591,10 +587,7 @@ def flash_bwd_dq_kernel(
     if BLOCK_D2 > 0:
         dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
     else:  # placeholders, never read
-        offs_d2 = offs_d
-        q2 = q
-        do2 = do
-        dq2 = dq
+        offs_d2, q2, do2, dq2 = offs_d, q, do, dq
     k_base = K + z * stride_kz + (h // group) * stride_kh
     v_base = V + z * stride_vz + (h // group) * stride_vh
     row0 = (kv * n_keys).to(tl.int32)
