@@ -22,8 +22,8 @@ query rows and stores it, then a dK/dV kernel (K, V resident, loop over query ti
 launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) two of the launches may instead be Gluon kernels
-with asynchronous warpgroup MMAs: the forward at d 128 (`kernels/flash_fwd_hopper`) and dK/dV at d 64 and 128
-(`kernels/flash_dkdv_hopper`), where their `usable` rules say they measured faster (long sequences); same
+with asynchronous warpgroup MMAs: the forward at d 128 and 256 (`kernels/flash_fwd_hopper`) and dK/dV at d 64,
+128 and 256 (`kernels/flash_dkdv_hopper`), where their `usable` rules say they measured faster; same
 inputs and outputs, same saved L; eager calls and the custom ops only (`_inductor_path`).
 ``CS336_FLASH_HOPPER_FWD`` / ``CS336_FLASH_HOPPER_BWD``: ``0`` never, ``1`` wherever the inputs allow
 (docs/flash-attention.md, Section 14).

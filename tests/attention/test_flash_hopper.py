@@ -39,6 +39,7 @@ def hopper_machine(monkeypatch):
 
 def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
     assert hopper.wanted(128, torch.bfloat16, CUDA) and hopper.wanted(128, torch.float16, CUDA)
+    assert hopper.wanted(256, torch.bfloat16, CUDA)
     assert not hopper.wanted(64, torch.bfloat16, CUDA)  # slower than the portable kernel there
     assert not hopper.wanted(128, torch.float32, CUDA)
     assert not hopper.wanted(128, torch.bfloat16, torch.device("cpu"))
@@ -101,6 +102,26 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
     assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
 
 
+def test_dkdv_at_d256_splits_dk_and_dv_and_needs_no_program_count(monkeypatch):
+    """d 256 runs two programs per key block (dV, dK) and, one program per SM either way, measured faster at
+    every size from N 2048: no programs-per-SM rule there, the other rules as at d 128."""
+    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
+    assert [dkdv_hopper.parts(d) for d in (64, 128, 256)] == [1, 1, 2]
+
+    def qkv(hq, hkv, n, d=256):
+        q = torch.empty(1, hq, n, d, dtype=torch.bfloat16)
+        k = torch.empty(1, hkv, n, d, dtype=torch.bfloat16)
+        return q, k, k, q
+
+    assert dkdv_hopper.usable(*qkv(1, 1, 4096))  # 64 key blocks: 128 programs
+    assert not dkdv_hopper.usable(*qkv(1, 1, 4096, d=128))  # the d 128 rule: too few programs
+    assert not dkdv_hopper.usable(*qkv(1, 1, 1024))  # shorter than measured
+    assert not dkdv_hopper.usable(*qkv(8, 2, 8192))  # grouped heads
+
+
 def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(monkeypatch):
     monkeypatch.setattr(hopper, "wanted", lambda *args: True)
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
@@ -119,6 +140,16 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert not hopper.usable(*qkv(64, 16384, 8192))
     monkeypatch.setenv(hopper.ENV, "1")
     assert hopper.usable(*qkv(1, 128, 128))
+
+
+def test_forward_tiles_fit_shared_memory_at_every_head_dim():
+    """Q + NUM_STAGES x (K + V) tiles in bf16 within the 227 KB an sm_90 program may use."""
+    for d in hopper.HEAD_DIMS:
+        need = 2 * d * (hopper.BLOCK_M + 2 * hopper.stages(d) * hopper.block_n(d))
+        assert need <= 227 * 1024, (d, need)
+    for d in dkdv_hopper.HEAD_DIMS:
+        block_n, block_m, stages = dkdv_hopper.tiles(d)
+        assert 2 * d * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
 
 
 def test_tma_switch_and_bad_switch_values(hopper_machine, monkeypatch):

@@ -24,8 +24,14 @@ by 1/sqrt(d) once at the end; dK and dV leave through shared memory (K's and V's
 which drop rows past Nk.  Grouped-query attention: the query loop runs over the group's heads in turn, so
 dK and dV sum over the group with no atomics.
 
+d 256: a (64, 256) float32 accumulator is 128 registers a thread, so one warpgroup cannot hold dK and dV
+together.  The grid gets a third axis of two programs per key block (`parts`): one accumulates dV (S^T, then
+dV += P^T dO_t; V is not read), the other dK (S^T, dP^T, then dK += dS^T Q_t).  Five tile products instead of
+four, the split the portable kernel makes at this head dim (`TileConfig.parts`), and the same arithmetic per
+output, so the results equal the one-pass kernel's.
+
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
-shares); bfloat16 and float16; head dims 64 and 128.
+shares); bfloat16 and float16; head dims 64, 128 and 256.
 """
 
 from __future__ import annotations
@@ -48,12 +54,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
 from cs336_systems.attention.kernels.flash_launch import env_switch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
 # it measured faster (`usable`; docs/flash-attention.md, Section 14).
 ENV = "CS336_FLASH_HOPPER_BWD"
-DEFAULT_HEAD_DIMS = (64, 128)
-MIN_PROGRAMS_PER_SM = 2  # measured: 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won
+DEFAULT_HEAD_DIMS = (64, 128, 256)
+# d <= 128 (several programs share an SM): 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won; d 256
+# (one program per SM) won at every size measured, down to 128 programs (B·H 1, N 4096)
+MIN_PROGRAMS_PER_SM = 2
 MIN_QUERIES = 2048  # the shortest sequence where it measured faster (B 4, H 16, N 2048)
 
 
@@ -61,8 +69,19 @@ def tiles(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N keys per program, BLOCK_M query rows per step, ring stages), measured on an H200 at
     N 2048 and 16384: d 64 takes 64 x 64 with 3 stages, d 128 64 x 32 with 4 (a 64-row query step at d 128
     holds S^T, dP^T, dK and dV in registers with too little room left).  Shared memory at d 128:
-    K + V 32 KB and 4 x (Q + dO) 64 KB."""
-    return (64, 64, 3) if head_dim <= 64 else (64, 32, 4)
+    K + V 32 KB and 4 x (Q + dO) 64 KB.  d 256 (two parts, one accumulator each): 64 x 32 with 3 stages,
+    K + V 64 KB and 3 x (Q + dO) 96 KB; against 2 stages and 16-row steps (2 to 4 stages) it measured
+    fastest at N 2048-16384 and within 4% of the best at N 65536."""
+    if head_dim <= 64:
+        return (64, 64, 3)
+    return (64, 32, 4) if head_dim <= 128 else (64, 32, 3)
+
+
+def parts(head_dim: int) -> int:
+    """Programs per key block: 2 at d 256, where one (64, 256) float32 accumulator (128 registers a thread)
+    is all a warpgroup holds beside S^T and dP^T, so dV and dK are computed in separate programs (S^T
+    computed by both: five tile products instead of four); 1 below."""
+    return 2 if head_dim > 128 else 1
 
 
 @gluon.jit
@@ -79,10 +98,12 @@ def _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, tile, n
 
 
 @gluon.jit
-def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale,
-                             n_q, n_k, heads, kv_heads, group,
-                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
+                  heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, PART: gl.constexpr,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """One program: BLOCK_N keys of one (z, h_kv).  PART 0 accumulates dK and dV; PART 1 only dV (S^T and
+    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q)."""
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
@@ -96,13 +117,6 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    k_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    q_buf, do_buf, ready = fwd.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
-    fence_async_shared()
     k_smem = k_buf.reshape([BLOCK_N, HEAD_DIM])
     v_smem = v_buf.reshape([BLOCK_N, HEAD_DIM])
 
@@ -120,16 +134,22 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
         diag_tiles = 0
     full_end = n_q // BLOCK_M - lo_tile  # relative tiles that are complete (no rows past Nq)
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    if PART == 1:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
-    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
+    if PART != 1:
+        tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
     for t in gl.static_range(NUM_STAGES):
         _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t, n_iter, m_tiles, lo_tile,
                    BLOCK_M, NUM_STAGES)
 
     # loop-carried as in-flight accumulators: each step waits for the previous step's products
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    if PART != 1:
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    if PART != 2:
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=key_layout)
     mbarrier.wait(kv_bar, 0)
@@ -143,14 +163,21 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
         row_base = (z * heads + h) * n_q
         in_q = cols < n_q
         lse = gl.load(L + row_base + cols, mask=in_q, other=0.0) * 1.4426950408889634
-        delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
+        if PART != 1:
+            delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
-        s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+        if PART == 0:
+            dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+        elif PART == 1:
+            s_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dv))
+        else:
+            dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t, dk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk))
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
                        m_tiles, lo_tile, BLOCK_M, NUM_STAGES)
@@ -161,23 +188,67 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
             if CAUSAL:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(visible, p_t, 0.0)
-        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_s, do_s))[0]
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
-        ds_op = gl.convert_layout(ds_t.to(dtype), op_layout)
-        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        if PART != 1:
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_s, do_s))[0]
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if PART != 2:
+            p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        if PART != 1:
+            ds_op = gl.convert_layout(ds_t.to(dtype), op_layout)
+        if PART != 2:
+            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        if PART != 1:
+            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
 
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    if PART == 0:
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    elif PART == 1:
+        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+    else:
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
-    k_smem.store((dk * sm_scale).to(dtype))  # K's and V's buffers stage dK and dV for the TMA stores
-    v_smem.store(dv.to(dtype))
+    # K's and V's buffers stage dK and dV for the TMA stores
+    if PART != 1:
+        k_smem.store((dk * sm_scale).to(dtype))
+    if PART != 2:
+        v_smem.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf)
-    tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf)
+    if PART != 1:
+        tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf)
+    if PART != 2:
+        tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale,
+                             n_q, n_k, heads, kv_heads, group,
+                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PARTS: gl.constexpr,
+                             num_warps: gl.constexpr):
+    """Grid (key blocks, Z * H_kv, PARTS): PARTS 1 computes dK and dV in one program; PARTS 2 splits them
+    over program_id(2) (0: dV, 1: dK), one float32 accumulator per program (d 256)."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    q_buf, do_buf, ready = fwd.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
+    fence_async_shared()
+    if PARTS == 1:
+        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
+                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 0, CAUSAL, HEAD_DIM,
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
+    elif gl.program_id(2) == 0:
+        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
+                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 1, CAUSAL, HEAD_DIM,
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
+    else:
+        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
+                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 2, CAUSAL, HEAD_DIM,
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -191,8 +262,9 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, at most 65535 (z, h_kv) slices, and, unless
     ENV is "1", the measured territory: at least MIN_QUERIES queries, no grouped K/V heads, and at least
-    MIN_PROGRAMS_PER_SM programs per SM.  Few programs (B·H_kv 1 below N 32768) leave the causal grid
-    unbalanced, where the portable kernel's smaller key blocks do better; shorter sequences and grouped heads
+    MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the causal
+    grid unbalanced, where the portable kernel's smaller key blocks do better; at d 256 (one program per SM
+    either way) the Gluon kernel measured faster at every size from N 2048 up.  Shorter sequences and grouped heads
     (a program sums its whole group; the portable kernel spreads a group over programs,
     `flash_launch.group_splits`) were not measured, so they keep the portable kernel."""
     if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
@@ -203,6 +275,8 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
         return True
     if q.shape[-2] < MIN_QUERIES or q.shape[1] != k.shape[1]:
         return False
+    if q.shape[-1] > 128:
+        return True
     programs = triton.cdiv(k.shape[-2], tiles(q.shape[-1])[0]) * k.shape[0] * k.shape[1]
     return fwd.enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
 
@@ -213,11 +287,11 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
     n_k = k.shape[-2]
     kv_heads = k.shape[1]
     block_n, block_m, stages = tiles(d)
-    grid = (triton.cdiv(n_k, block_n), k.shape[0] * kv_heads)
+    grid = (triton.cdiv(n_k, block_n), k.shape[0] * kv_heads, parts(d))
     flash_dkdv_hopper_kernel[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
         fwd.descriptor(do, block_m), fwd.descriptor(dk, block_n), fwd.descriptor(dv, block_n), lse, delta,
         1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, n_k, q.shape[1], kv_heads, q.shape[1] // kv_heads,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PARTS=parts(d),
         num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
     )

@@ -27,7 +27,7 @@ L = logsumexp of the scaled scores (natural log, float32) per query row, as the 
 the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
-this kernel is taken.  bfloat16 and float16 only; head dims 64 and 128 (`HEAD_DIMS`).
+this kernel is taken.  bfloat16 and float16 only; head dims 64, 128 and 256 (`HEAD_DIMS`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from cs336_systems.attention.kernels.flash_launch import capability_major, env_s
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem size the inputs allow; unset: the measured
 # defaults below (docs/flash-attention.md, Section 14).
 ENV = "CS336_FLASH_HOPPER_FWD"
-DEFAULT_HEAD_DIMS = (128,)  # at d 64 the portable forward measured as fast or faster
+DEFAULT_HEAD_DIMS = (128, 256)  # at d 64 the portable forward measured as fast or faster
 # Default size rule: keys per row and programs per SM.  Shorter rows do not amortize a program's unoverlapped
 # first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
 # kernel splits keys across programs instead.
@@ -67,14 +67,15 @@ TRITON_VERSIONS = ("3.6.",)
 
 
 def block_n(head_dim: int) -> int:
-    """Key tile: 128 keys keep S (64 x 128 per warpgroup) and O (64 x d) in registers up to d = 128."""
-    return 128
+    """Key tile: 128 keys keep S (64 x 128 per warpgroup) and O (64 x d) in registers up to d = 128; at
+    d 256 O alone is 128 registers a thread, so 64 keys."""
+    return 128 if head_dim <= 128 else 64
 
 
 def stages(head_dim: int) -> int:
     """K/V ring depth: three stages (a tile in use, one landing, one requested) fit shared memory at d <= 128
-    (Q 32 KB + 3 x (K + V) 192 KB at d = 128)."""
-    return 3
+    (Q 32 KB + 3 x (K + V) 192 KB at d = 128); two at d 256 (Q 64 KB + 2 x (K + V) 128 KB)."""
+    return 3 if head_dim <= 128 else 2
 
 
 @gluon.jit
