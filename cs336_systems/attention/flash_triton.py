@@ -21,12 +21,12 @@ Backward: a dQ kernel (Q, dO resident, loop over key tiles) that first computes 
 query rows and stores it, then a dK/dV kernel (K, V resident, loop over query tiles) that reads D: two
 launches, every output tile has exactly one writer, no atomics.
 
-On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) two of the launches may instead be Gluon kernels
-with asynchronous warpgroup MMAs: the forward at d 128 and 256 (`kernels/flash_fwd_hopper`) and dK/dV at d 64,
-128 and 256 (`kernels/flash_dkdv_hopper`), where their `usable` rules say they measured faster; same
-inputs and outputs, same saved L; eager calls and the custom ops only (`_inductor_path`).
-``CS336_FLASH_HOPPER_FWD`` / ``CS336_FLASH_HOPPER_BWD``: ``0`` never, ``1`` wherever the inputs allow
-(docs/flash-attention.md, Section 14).
+On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
+asynchronous warpgroup MMAs: the forward at d 128 and 256 (`kernels/flash_fwd_hopper`), dQ at d 256
+(`kernels/flash_dq_hopper`) and dK/dV at d 64, 128 and 256 (`kernels/flash_dkdv_hopper`), where their
+`usable` rules say they measured faster; same inputs and outputs, same saved L and delta; eager calls and the
+custom ops only (`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) / ``CS336_FLASH_HOPPER_BWD`` (dQ and
+dK/dV): ``0`` never, ``1`` wherever the inputs allow (docs/flash-attention.md, Section 14).
 
 Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
 are registered operators, chosen once per traced shape (`_inductor_path`):
@@ -68,9 +68,10 @@ from cs336_systems.attention.kernels.flash_launch import direct
 
 try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
     from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
+    from cs336_systems.attention.kernels import flash_dq_hopper as dq_hopper
     from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
 except ImportError:  # pragma: no cover - depends on the installed Triton
-    hopper = dkdv_hopper = None
+    hopper = dq_hopper = dkdv_hopper = None
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,8 +107,12 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
-    launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
-    if wrap is direct and tma != 0 and dkdv_hopper is not None and dkdv_hopper.usable(q, k, v, do):
+    gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
+    if gluon and dq_hopper.usable(q, k, v, o, do):
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)  # Gluon, sm_90 (flash_dq_hopper); also delta
+    else:
+        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
+    if gluon and dkdv_hopper.usable(q, k, v, do):
         dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)  # Gluon, sm_90 (flash_dkdv_hopper)
     else:
         launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
@@ -177,8 +182,7 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
     `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
     strided views that descriptors cannot cover).  The `triton_op`s launch the portable kernels only (inductor
-    cannot trace a Gluon kernel); the custom ops run the Hopper kernels where `flash_fwd_hopper.usable` and
-    `flash_dkdv_hopper.usable` say so.  So a traced call gets a Gluon kernel only where the portable
+    cannot trace a Gluon kernel); the custom ops run the Hopper kernels where their modules' `usable` say so.  So a traced call gets a Gluon kernel only where the portable
     configuration wants descriptors (at d 128 the tuned table never does: compiled d 128 calls run the
     portable kernels; docs/flash-attention.md, Section 14)."""
     if KERNELS_INTERPRETED:

@@ -18,6 +18,7 @@ from cs336_systems.attention.kernels import flash_launch
 # runs the portable kernels only).
 hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper")
 dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_hopper")
+dq_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dq_hopper")
 
 CUDA = torch.device("cuda")
 
@@ -205,23 +206,50 @@ def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
     assert calls == ["hopper", "portable", "portable"]
 
 
-def test_backward_dispatches_dkdv_to_the_hopper_kernel_only_where_usable(monkeypatch):
-    """dQ (which also computes delta) always runs the portable kernel first; dK/dV goes to the Gluon kernel
-    where usable and never through inductor's wrapper."""
+def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(monkeypatch):
+    """dQ (which also computes delta) runs first, then dK/dV; each goes to its Gluon kernel where that one is
+    usable, and never through inductor's wrapper."""
     calls = []
-    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("dq"))
+    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("portable dq"))
     monkeypatch.setattr(flash_triton.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
+    monkeypatch.setattr(dq_hopper, "dq", lambda *args: calls.append("hopper dq"))
     monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
     monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
-    usable = {"yes": True}
-    monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["yes"])
+    usable = {"dq": True, "dkdv": True}
+    monkeypatch.setattr(dq_hopper, "usable", lambda q, k, v, o, do: usable["dq"])
+    monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["dkdv"])
     q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
     lse = torch.empty(1, 2, 16)
     flash_triton._backward(q, q, q, q, lse, q, True)
+    assert calls == ["hopper dq", "hopper dkdv"]
     flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
-    usable["yes"] = False
+    assert calls[2:] == ["portable dq", "portable dkdv"]
+    usable["dq"] = False
     flash_triton._backward(q, q, q, q, lse, q, True)
-    assert calls == ["dq", "hopper dkdv", "dq", "portable dkdv", "dq", "portable dkdv"]
+    usable["dq"], usable["dkdv"] = True, False
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    assert calls[4:] == ["portable dq", "hopper dkdv", "hopper dq", "portable dkdv"]
+
+
+def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d256(hopper_machine, monkeypatch):
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    assert dq_hopper.ENV == dkdv_hopper.ENV
+    assert dq_hopper.wanted(256, torch.bfloat16, CUDA) and dq_hopper.wanted(256, torch.float16, CUDA)
+    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA) and not dq_hopper.wanted(128, torch.bfloat16, CUDA)
+    assert not dq_hopper.wanted(256, torch.float32, CUDA)
+
+    def qkv(hq, hkv, n, d=256):
+        q = torch.empty(1, hq, n, d, dtype=torch.bfloat16)
+        k = torch.empty(1, hkv, n, d, dtype=torch.bfloat16)
+        return q, k, k, q, q
+
+    monkeypatch.setattr(dq_hopper, "wanted", lambda *args: True)
+    assert dq_hopper.usable(*qkv(1, 1, 2048)) and dq_hopper.usable(*qkv(8, 2, 4096))
+    assert not dq_hopper.usable(*qkv(4, 4, 1024))  # shorter than measured
+    broadcast = torch.empty(1, 1, 4096, 256, dtype=torch.bfloat16).expand(1, 4, 4096, 256)
+    assert not dq_hopper.usable(broadcast, broadcast, broadcast, broadcast, broadcast)
+    monkeypatch.setenv(dq_hopper.ENV, "1")
+    assert dq_hopper.usable(*qkv(1, 1, 16))
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
@@ -255,10 +283,11 @@ def _token_major(batch, heads, n, d, dtype, seed):
 @example(heads=(3, 3), nq=17, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
 @example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, seed=2)
 @example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
+@example(heads=(4, 1), nq=255, nk=1025, d=256, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=4)
 def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
-    """O, the saved L, dQ, dK, dV against float64 with the Gluon forward and dK/dV in the path (the portable
-    dQ kernel reads the Gluon forward's L, the Gluon dK/dV its delta): ragged ends, Nq != Nk, one query or
-    one key, grouped K/V heads, token-major views; both Gluon kernels must have run."""
+    """O, the saved L, dQ, dK, dV against float64 with the Gluon forward, dQ and dK/dV in the path (the dQ
+    kernel reads the forward's L, the dK/dV kernel the dQ kernel's delta): ragged ends, Nq != Nk, one query or
+    one key, grouped K/V heads, token-major views; all three Gluon kernels must have run."""
     hq, hkv = heads
     if token_major:
         q = _token_major(2, hq, nq, d, dtype, seed)
@@ -267,11 +296,12 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
         _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
     ran = []
-    real_fwd, real_dkdv = hopper.forward, dkdv_hopper.dkdv
+    real_fwd, real_dq, real_dkdv = hopper.forward, dq_hopper.dq, dkdv_hopper.dkdv
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
         patch.setenv(dkdv_hopper.ENV, "1")
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
+        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
-    assert "fwd" in ran and "dkdv" in ran, f"Hopper kernels that ran: {ran}"  # forced on: both must run
+    assert ran == ["fwd", "dq", "dkdv"], f"Hopper kernels that ran: {ran}"  # forced on: all three must run

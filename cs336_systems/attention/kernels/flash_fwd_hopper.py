@@ -92,7 +92,7 @@ def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_S
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
+def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr):
     """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
     stage = tile % NUM_STAGES
@@ -167,7 +167,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf)
     for t in gl.static_range(NUM_STAGES):
-        _load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
+        load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
 
     # -1e6 as the starting max is safe because causal attention here is aligned at position 0: key 0 is
     # visible to every row, and tile 0 is processed first
@@ -208,7 +208,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
                                                BLOCK_M, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
         # K_{j-1} and V_{j-1} are consumed: their stage takes tile j - 1 + NUM_STAGES
-        _load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
+        load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
                  NUM_STAGES)
 
     last = (n_tiles - 1) % NUM_STAGES

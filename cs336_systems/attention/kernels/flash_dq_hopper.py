@@ -1,0 +1,193 @@
+"""FlashAttention dQ for Hopper (sm_90) in Gluon: the backward's dQ kernel with asynchronous warpgroup MMAs,
+which also computes delta = rowsum(O * dO) for the dK/dV kernel that follows it.
+
+    dq(q, k, v, o, do, lse, delta, dq_out, causal)
+    q, o, do, dq_out: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32
+
+One program of one warpgroup (4 warps) owns BLOCK_M = 64 query rows of one (z, h) (wgmma's M) with Q and dO
+resident in shared memory and dQ accumulating in registers, and walks the key tiles its rows see: K and V
+arrive through a NUM_STAGES-deep TMA ring.  First delta = rowsum(O * dO) for its rows (O by pointer loads
+while the TMA loads land; stored for dK/dV), then per key tile j:
+
+    S = Q K_j^T,  dP = dO V_j^T                     (two async wgmma groups, issued back to back)
+    wait for S (dP still running; the previous tile's dQ product is then done too, freeing its ring stage)
+    P = exp2(S * log2(e)/sqrt(d) - L * log2(e)), masked              (overlaps dP)
+    wait for dP;  dS = P * (dP - delta)
+    dQ += dS K_j                                      (async, left running into tile j + 1's S and dP)
+
+dQ is scaled by 1/sqrt(d) once at the end and leaves through Q's buffer and a TMA store (rows past Nq are
+dropped).  Causal programs run longest first; only key tiles that cross the diagonal or the end of the keys
+are masked.  Grouped-query attention: query head h reads K/V head h // group.
+
+Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
+float32 accumulator) run at a third of the tensor cores' rate; at d 64 and 128 the portable kernel's
+128-row programs measured faster at long sequences (docs/flash-attention.md, Section 14).
+
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
+flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
+float16; head dims 64, 128 and 256.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
+from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_launch import env_switch
+
+HEAD_DIMS = (64, 128, 256)
+ENV = dkdv_hopper.ENV  # one switch for the backward's Gluon kernels
+DEFAULT_HEAD_DIMS = (256,)
+MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
+
+
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages).  64 x 32 with 3 stages measured
+    fastest at d 256 (H200, N 2048-16384; within 6% of 64 x 64 with 2 stages at N 65536); shared memory:
+    Q + dO 64 KB and 3 x (K + V) 96 KB.  d 64 and 128 take 64 x 64 with 3 stages."""
+    return (64, 32, 3) if head_dim > 128 else (64, 64, 3)
+
+
+@gluon.jit
+def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_oz, stride_oh, stride_on, L, Delta,
+                           sm_scale, qk_scale, n_q, n_k, heads, group,
+                           CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # longest first
+    bh = gl.program_id(1)
+    z = bh // heads
+    h = bh % heads
+    kv_head = h // group
+    start_m = pid_m * BLOCK_M
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # a plain blocked layout for the O * dO row sums (16-byte vectors along d)
+    rowsum_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                   warps_per_cta=[num_warps, 1], order=[1, 0])
+
+    q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_bar, count=1)
+    k_buf, v_buf, ready = fwd.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    fence_async_shared()
+    q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
+    do_smem = do_buf.reshape([BLOCK_M, HEAD_DIM])
+
+    if CAUSAL:
+        hi = gl.minimum(start_m + BLOCK_M, n_k)
+        full = gl.minimum(start_m + 1, n_k) // BLOCK_N  # tiles that every row of this program sees entirely
+    else:
+        hi = n_k
+        full = n_k // BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], qdo_bar, q_buf)
+    tma.async_copy_global_to_shared(do_desc, [z, h, start_m, 0], qdo_bar, do_buf)
+    for t in gl.static_range(NUM_STAGES):
+        fwd.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
+
+    # delta = rowsum(O * dO) for these rows, stored for the dK/dV kernel
+    rows_b = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rowsum_layout))
+    cols_b = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rowsum_layout))
+    o_ptrs = O + z * stride_oz + h * stride_oh + gl.expand_dims(rows_b, 1) * stride_on + gl.expand_dims(cols_b, 0)
+    o_tile = gl.load(o_ptrs, mask=gl.expand_dims(rows_b < n_q, 1), other=0.0).to(gl.float32)
+    mbarrier.wait(qdo_bar, 0)
+    do_tile = do_smem.load(rowsum_layout).to(gl.float32)  # rows past Nq were zero-filled by TMA
+    delta_b = gl.sum(o_tile * do_tile, axis=1)
+    gl.store(Delta + bh * n_q + rows_b, delta_b, mask=rows_b < n_q)
+    delta = gl.convert_layout(delta_b, row_layout)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    lse = gl.load(L + bh * n_q + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
+
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        k_s = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v_s = v_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_smem, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # S done, and so is the previous tile's dQ product: its ring stage takes tile j - 1 + NUM_STAGES
+        s, dq = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dq))
+        if j > 0:
+            fwd.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
+                         NUM_STAGES)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+        if j >= full:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = gl.expand_dims(cols, 0) < n_k
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+            p = gl.where(visible, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_smem, do_smem, k_s, v_s))[0]
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_s, dq, is_async=True)
+
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    mbarrier.invalidate(qdo_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    q_smem.store((dq * sm_scale).to(dtype))  # Q's buffer stages dQ for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [z, h, start_m, 0], q_buf)
+    tma.store_wait(0)
+
+
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims."""
+    choice = env_switch(ENV)
+    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+        return False
+    return fwd.supported_here(dtype, device)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:
+    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides (O read by pointers: the same rule), at
+    most 65535 (z, h) slices, and, unless ENV is "1", at least MIN_QUERIES queries (shorter sequences were
+    not measured)."""
+    if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
+        return False
+    if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, o, do)):
+        return False
+    return env_switch(ENV) == "1" or q.shape[-2] >= MIN_QUERIES
+
+
+def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:
+    """dq_out (like q; `usable` strides) and delta ((Z, H, Nq) contiguous float32) written in place; lse is
+    the forward's L, (Z, H, Nq) contiguous float32."""
+    n_q, d = q.shape[-2:]
+    heads = q.shape[1]
+    block_m, block_n, stages = tiles(d)
+    grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
+    flash_dq_hopper_kernel[grid](
+        fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
+        fwd.descriptor(do, block_m), fwd.descriptor(dq_out, block_m), o, o.stride(0), o.stride(1), o.stride(2),
+        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1],
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=block_m // 16,  # one warpgroup per 64 query rows
+    )
