@@ -35,9 +35,9 @@ are registered operators, chosen once per traced shape (`_inductor_path`):
     K/V are strided views, a pre-Hopper GPU or CS336_FLASH_TMA=0): inductor traces them into its graph and
     launches the kernels with its own launcher, so a call pays no custom-op dispatch or Triton JIT binding;
   * `torch.library.custom_op`s (cs336::flash_attn_fwd / _bwd) with fake (shape-only) implementations where
-    descriptors are wanted: on Hopper those launches take host-side TMA descriptors, which torch 2.11
-    cannot trace inside a `triton_op` (docs/flash-attention.md, Sections 3 and 6); the price is the
-    custom-op dispatch on the host, not device time.
+    descriptors are wanted or a Gluon kernel would run (its `fits` rule): on Hopper those launches take
+    host-side TMA descriptors, which torch 2.11 cannot trace inside a `triton_op` (docs/flash-attention.md,
+    Sections 3, 6 and 14); the price is the custom-op dispatch on the host, not device time.
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
 dispatch: at small sizes that dispatch is most of the call.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
@@ -178,16 +178,32 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     return bool(cfg["fwd"].tma or cfg["dq"].tma)
 
 
+@torch.compiler.assume_constant_result
+def _gluon_chosen(z: int, heads: int, kv_heads: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype,
+                  device: torch.device) -> bool:
+    """Whether a call of these sizes would run one of the Hopper (Gluon) kernels (their modules' `fits`; the
+    per-tensor layout rules are checked again when the custom op runs).  A constant to dynamo, like
+    `_configured_tma`."""
+    if hopper is None:
+        return False
+    sizes = (z, heads, kv_heads, n_queries, n_keys, d, dtype, device)
+    return hopper.fits(*sizes) or dq_hopper.fits(*sizes) or dkdv_hopper.fits(*sizes)
+
+
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
-    `wrap_triton` cannot take) and no TMA descriptor wanted (the configured mode is 0, or K / V are
-    strided views that descriptors cannot cover).  The `triton_op`s launch the portable kernels only (inductor
-    cannot trace a Gluon kernel); the custom ops run the Hopper kernels where their modules' `usable` say so.  So a traced call gets a Gluon kernel only where the portable
-    configuration wants descriptors (at d 128 the tuned table never does: compiled d 128 calls run the
-    portable kernels; docs/flash-attention.md, Section 14)."""
+    `wrap_triton` cannot take), no TMA descriptor wanted (the configured mode is 0, or K / V are strided
+    views that descriptors cannot cover) and no Gluon kernel wanted.  The `triton_op`s launch the portable
+    kernels only (inductor cannot trace a Gluon kernel, whose launch takes host-side descriptors); the
+    custom ops run the same kernels as an eager call, Gluon ones included, at the price of the custom-op
+    dispatch on the host.  The Gluon kernels' size rules keep the models' short sequences (N 512-1024) on
+    the `triton_op`s."""
     if KERNELS_INTERPRETED:
         return False
     n_queries, d = q.shape[-2:]
+    if hopper is not None and all(hopper.strides_ok(t) for t in (q, k, v)) and _gluon_chosen(
+            q.shape[0], q.shape[1], k.shape[1], n_queries, k.shape[-2], d, q.dtype, q.device):
+        return False
     wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
     return not (wants_tma and k.is_contiguous() and v.is_contiguous())
 

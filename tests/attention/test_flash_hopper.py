@@ -252,6 +252,43 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d256(hopper_machin
     assert dq_hopper.usable(*qkv(1, 1, 16))
 
 
+def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monkeypatch):
+    """inductor cannot launch a Gluon kernel, so a traced call whose sizes a Gluon kernel `fits` keeps the
+    custom ops (which run it), whatever the portable configuration wants; otherwise the rule is unchanged."""
+    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
+    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)  # the portable tiles: pointers
+    chosen = {"fwd": False, "dq": False, "dkdv": False}
+    monkeypatch.setattr(hopper, "fits", lambda *sizes: chosen["fwd"])
+    monkeypatch.setattr(dq_hopper, "fits", lambda *sizes: chosen["dq"])
+    monkeypatch.setattr(dkdv_hopper, "fits", lambda *sizes: chosen["dkdv"])
+    q = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
+    assert flash_triton._inductor_path(q, q, q, True)
+    for which in chosen:
+        chosen.update({key: key == which for key in chosen})
+        assert not flash_triton._inductor_path(q, q, q, True), which
+    broadcast = torch.empty(1, 1, 4096, 128, dtype=torch.bfloat16).expand(1, 8, 4096, 128)
+    assert flash_triton._inductor_path(q, broadcast, broadcast, True)  # no Gluon kernel takes these
+
+
+def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
+    """Each module's `usable` is its per-tensor layout rules and `fits` of the tensors' sizes."""
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: True)
+    seen = set()
+    for z, h, hkv, n, d in [(1, 8, 8, 16384, 128), (1, 1, 1, 16384, 128), (2, 4, 4, 2048, 256), (4, 25, 25, 512, 64),
+                            (1, 8, 2, 32768, 256), (1, 16, 16, 16384, 64)]:
+        q = torch.empty(z, h, n, d, dtype=torch.bfloat16)
+        k = torch.empty(z, hkv, n, d, dtype=torch.bfloat16)
+        sizes = (z, h, hkv, n, n, d, q.dtype, q.device)
+        for name, usable, fits in [("fwd", hopper.usable(q, k, k), hopper.fits(*sizes)),
+                                   ("dq", dq_hopper.usable(q, k, k, q, q), dq_hopper.fits(*sizes)),
+                                   ("dkdv", dkdv_hopper.usable(q, k, k, q), dkdv_hopper.fits(*sizes))]:
+            assert usable == fits, (name, z, h, hkv, n, d)
+            seen.add((name, fits))
+    assert len(seen) == 6  # each kernel both taken and not taken among these sizes
+
+
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
 
 ON_HOPPER = pytest.mark.skipif(
@@ -305,3 +342,28 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
     assert ran == ["fwd", "dq", "dkdv"], f"Hopper kernels that ran: {ran}"  # forced on: all three must run
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("heads, n, d, expected", [(8, 16384, 128, ["fwd", "dkdv"]), (2, 4096, 256, ["dq", "dkdv"])])
+def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, expected):
+    """torch.compile(fullgraph=True) at sizes the Gluon kernels take: the traced call keeps the custom ops,
+    which run the same Gluon kernels as the eager call, with the same results."""
+    q, k, v = random_qkv((1, heads), n, n, d, torch.bfloat16, "cuda", 7)
+    ran = []
+    real = {"fwd": hopper.forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
+        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
+        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
+        outputs = []
+        for fn in (FlashAttentionTriton.apply, torch.compile(FlashAttentionTriton.apply, fullgraph=True)):
+            ran.clear()
+            q.grad = k.grad = v.grad = None
+            o = fn(q, k, v, True)
+            o.float().square().sum().backward()
+            assert ran == expected, (fn, ran)
+            outputs.append([t.detach().clone() for t in (o, q.grad, k.grad, v.grad)])
+    for eager, compiled in zip(*outputs):
+        torch.testing.assert_close(compiled, eager)

@@ -259,26 +259,32 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return fwd.supported_here(dtype, device)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides, at most 65535 (z, h_kv) slices, and, unless
-    ENV is "1", the measured territory: at least MIN_QUERIES queries, no grouped K/V heads, and at least
-    MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the causal
-    grid unbalanced, where the portable kernel's smaller key blocks do better; at d 256 (one program per SM
-    either way) the Gluon kernel measured faster at every size from N 2048 up.  Shorter sequences and grouped heads
-    (a program sums its whole group; the portable kernel spreads a group over programs,
+def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
+         device: torch.device) -> bool:
+    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
+    "1", the measured territory: at least MIN_QUERIES queries, no grouped K/V heads, and at least
+    MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the
+    causal grid unbalanced, where the portable kernel's smaller key blocks do better; at d 256 (one program
+    per SM either way) the Gluon kernel measured faster at every size from N 2048 up.  Shorter sequences and
+    grouped heads (a program sums its whole group; the portable kernel spreads a group over programs,
     `flash_launch.group_splits`) were not measured, so they keep the portable kernel."""
-    if not (wanted(q.shape[-1], q.dtype, q.device) and k.dim() == 4 and k.shape[0] * k.shape[1] <= 65535):
-        return False
-    if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
+    if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
-    if q.shape[-2] < MIN_QUERIES or q.shape[1] != k.shape[1]:
+    if n_q < MIN_QUERIES or heads != kv_heads:
         return False
-    if q.shape[-1] > 128:
+    if head_dim > 128:
         return True
-    programs = triton.cdiv(k.shape[-2], tiles(q.shape[-1])[0]) * k.shape[0] * k.shape[1]
-    return fwd.enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
+    programs = triton.cdiv(n_k, tiles(head_dim)[0]) * z * kv_heads
+    return fwd.enough_work(programs, device, MIN_PROGRAMS_PER_SM)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """(Z, H, N, d) tensors with TMA-compatible strides and base addresses, and `fits`."""
+    if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
+        return False
+    return fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:

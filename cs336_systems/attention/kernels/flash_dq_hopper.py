@@ -166,15 +166,21 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     return fwd.supported_here(dtype, device)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:
-    """`wanted`, (Z, H, N, d) tensors with TMA-compatible strides (O read by pointers: the same rule), at
-    most 65535 (z, h) slices, and, unless ENV is "1", at least MIN_QUERIES queries (shorter sequences were
-    not measured)."""
-    if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
+def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
+         device: torch.device) -> bool:
+    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h) slices, and, unless ENV is
+    "1", at least MIN_QUERIES queries (shorter sequences were not measured)."""
+    if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
+    return env_switch(ENV) == "1" or n_q >= MIN_QUERIES
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:
+    """(Z, H, N, d) tensors with TMA-compatible strides and base addresses (O is read by pointers: the same
+    rule), and `fits`."""
     if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, o, do)):
         return False
-    return env_switch(ENV) == "1" or q.shape[-2] >= MIN_QUERIES
+    return fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
 
 
 def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -269,18 +268,25 @@ def enough_work(programs: int, device: torch.device, per_sm: int) -> bool:
     return programs >= per_sm * sm_count(index)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """`wanted` for q's head dim, dtype and device, (Z, H, N, d) inputs with TMA-compatible strides, and
-    (unless ENV is "1") at least MIN_KEYS keys and MIN_PROGRAMS_PER_SM programs per SM (measured: 256
-    programs at B·H 1, N 32768 won, 128 at N 16384 lost)."""
-    if not (wanted(q.shape[-1], q.dtype, q.device) and q.dim() == 4 and q.shape[0] * q.shape[1] <= 65535):
-        return False  # the grid's second dimension is one program per (z, h), at most 65535
-    if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
+def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
+         device: torch.device) -> bool:
+    """`usable` from the problem's sizes alone (what a traced call knows): `wanted` for the head dim, dtype
+    and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
+    MIN_KEYS keys and MIN_PROGRAMS_PER_SM programs per SM (measured: 256 programs at B·H 1, N 32768 won, 128
+    at N 16384 lost)."""
+    if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
-    programs = triton.cdiv(q.shape[-2], BLOCK_M) * q.shape[0] * q.shape[1]
-    return k.shape[-2] >= MIN_KEYS and enough_work(programs, q.device, MIN_PROGRAMS_PER_SM)
+    programs = triton.cdiv(n_q, BLOCK_M) * z * heads
+    return n_k >= MIN_KEYS and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """(Z, H, N, d) inputs with TMA-compatible strides and base addresses, and `fits`."""
+    if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
+        return False
+    return fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
 
 
 @functools.cache
