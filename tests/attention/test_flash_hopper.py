@@ -44,7 +44,8 @@ def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
     assert not hopper.wanted(64, torch.bfloat16, CUDA)  # slower than the portable kernel there
     assert not hopper.wanted(128, torch.float32, CUDA)
     assert not hopper.wanted(128, torch.bfloat16, torch.device("cpu"))
-    assert not hopper.wanted(80, torch.bfloat16, CUDA)
+    assert hopper.wanted(80, torch.bfloat16, CUDA) and hopper.wanted(96, torch.bfloat16, CUDA)  # 128-wide tiles
+    assert not hopper.wanted(112, torch.bfloat16, CUDA) and not hopper.wanted(48, torch.bfloat16, CUDA)
 
 
 def test_environment_switches_it_off_or_on_for_every_supported_head_dim(hopper_machine, monkeypatch):
@@ -52,7 +53,7 @@ def test_environment_switches_it_off_or_on_for_every_supported_head_dim(hopper_m
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
     monkeypatch.setenv(hopper.ENV, "1")
     assert all(hopper.wanted(d, torch.bfloat16, CUDA) for d in hopper.HEAD_DIMS)
-    assert not hopper.wanted(96, torch.bfloat16, CUDA)
+    assert not hopper.wanted(112, torch.bfloat16, CUDA)
 
 
 def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monkeypatch):
@@ -68,7 +69,7 @@ def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monke
 def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
     assert dkdv_hopper.DEFAULT_HEAD_DIMS
     assert all(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.DEFAULT_HEAD_DIMS)
-    assert not dkdv_hopper.wanted(96, torch.bfloat16, CUDA)
+    assert not dkdv_hopper.wanted(112, torch.bfloat16, CUDA)
     assert not dkdv_hopper.wanted(128, torch.float32, CUDA)
     monkeypatch.setenv(hopper.ENV, "0")  # the forward's switch leaves dK/dV alone
     assert dkdv_hopper.wanted(dkdv_hopper.DEFAULT_HEAD_DIMS[0], torch.bfloat16, CUDA)
@@ -143,14 +144,30 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert hopper.usable(*qkv(1, 128, 128))
 
 
-def test_forward_tiles_fit_shared_memory_at_every_head_dim():
-    """Q + NUM_STAGES x (K + V) tiles in bf16 within the 227 KB an sm_90 program may use."""
+def test_tiles_fit_shared_memory_at_every_head_dim():
+    """Each kernel's bf16 tiles, at the tile width of each head dim, within the 227 KB an sm_90 program may
+    use: Q + NUM_STAGES x (K + V) (forward), K + V + stages x (Q + dO) (dK/dV), Q + dO + stages x (K + V) (dQ)."""
     for d in hopper.HEAD_DIMS:
-        need = 2 * d * (hopper.BLOCK_M + 2 * hopper.stages(d) * hopper.block_n(d))
-        assert need <= 227 * 1024, (d, need)
+        w = hopper.tile_dim(d)
+        assert 2 * w * (hopper.BLOCK_M + 2 * hopper.stages(w) * hopper.block_n(w)) <= 227 * 1024, d
     for d in dkdv_hopper.HEAD_DIMS:
-        block_n, block_m, stages = dkdv_hopper.tiles(d)
-        assert 2 * d * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
+        w = hopper.tile_dim(d)
+        block_n, block_m, stages = dkdv_hopper.tiles(w)
+        assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
+    for d in dq_hopper.HEAD_DIMS:
+        w = hopper.tile_dim(d)
+        block_m, block_n, stages = dq_hopper.tiles(w)
+        assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
+
+
+def test_head_dims_below_a_power_of_two_take_wider_tma_boxes():
+    """d 80 and 96 run in 128-wide tiles: the descriptors' boxes are 128 columns over the d-column tensor
+    (TMA zero-fills the rest on loads and drops it on stores); powers of two keep their own width."""
+    assert [hopper.tile_dim(d) for d in (64, 80, 96, 128, 256)] == [64, 128, 128, 128, 256]
+    t = torch.empty(2, 3, 256, 80, dtype=torch.bfloat16)
+    desc = hopper.descriptor(t, 64)
+    assert list(desc.shape) == [2, 3, 256, 80] and list(desc.block_shape) == [1, 1, 64, 128]
+    assert hopper.descriptor(torch.empty(1, 1, 64, 128, dtype=torch.bfloat16), 64).layout is desc.layout
 
 
 def test_tma_switch_and_bad_switch_values(hopper_machine, monkeypatch):

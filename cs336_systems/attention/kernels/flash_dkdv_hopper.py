@@ -31,7 +31,8 @@ four, the split the portable kernel makes at this head dim (`TileConfig.parts`),
 output, so the results equal the one-pass kernel's.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
-shares); bfloat16 and float16; head dims 64, 128 and 256.
+shares); bfloat16 and float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles:
+`flash_fwd_hopper.tile_dim`).
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
 from cs336_systems.attention.kernels.flash_launch import env_switch
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
 # it measured faster (`usable`; docs/flash-attention.md, Section 14).
 ENV = "CS336_FLASH_HOPPER_BWD"
-DEFAULT_HEAD_DIMS = (64, 128, 256)
+DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
 # d <= 128 (several programs share an SM): 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won; d 256
 # (one program per SM) won at every size measured, down to 128 programs (B·H 1, N 4096)
 MIN_PROGRAMS_PER_SM = 2
@@ -292,12 +293,13 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
     n_q, d = q.shape[-2:]
     n_k = k.shape[-2]
     kv_heads = k.shape[1]
-    block_n, block_m, stages = tiles(d)
-    grid = (triton.cdiv(n_k, block_n), k.shape[0] * kv_heads, parts(d))
+    width = fwd.tile_dim(d)
+    block_n, block_m, stages = tiles(width)
+    grid = (triton.cdiv(n_k, block_n), k.shape[0] * kv_heads, parts(width))
     flash_dkdv_hopper_kernel[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
         fwd.descriptor(do, block_m), fwd.descriptor(dk, block_n), fwd.descriptor(dv, block_n), lse, delta,
         1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, n_k, q.shape[1], kv_heads, q.shape[1] // kv_heads,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PARTS=parts(d),
+        CAUSAL=causal, HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PARTS=parts(width),
         num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
     )

@@ -25,7 +25,7 @@ float32 accumulator) run at a third of the tensor cores' rate; at d 64 and 128 t
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
 flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
-float16; head dims 64, 128 and 256.
+float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles, `flash_fwd_hopper.tile_dim`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
 from cs336_systems.attention.kernels.flash_launch import env_switch
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 ENV = dkdv_hopper.ENV  # one switch for the backward's Gluon kernels
 DEFAULT_HEAD_DIMS = (256,)
 MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
@@ -64,7 +64,7 @@ def tiles(head_dim: int) -> tuple[int, int, int]:
 
 @gluon.jit
 def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_oz, stride_oh, stride_on, L, Delta,
-                           sm_scale, qk_scale, n_q, n_k, heads, group,
+                           sm_scale, qk_scale, n_q, n_k, heads, group, head_dim,
                            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
@@ -114,7 +114,8 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     rows_b = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rowsum_layout))
     cols_b = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rowsum_layout))
     o_ptrs = O + z * stride_oz + h * stride_oh + gl.expand_dims(rows_b, 1) * stride_on + gl.expand_dims(cols_b, 0)
-    o_tile = gl.load(o_ptrs, mask=gl.expand_dims(rows_b < n_q, 1), other=0.0).to(gl.float32)
+    o_mask = gl.expand_dims(rows_b < n_q, 1) & gl.expand_dims(cols_b < head_dim, 0)  # a head dim below the tile's
+    o_tile = gl.load(o_ptrs, mask=o_mask, other=0.0).to(gl.float32)
     mbarrier.wait(qdo_bar, 0)
     do_tile = do_smem.load(rowsum_layout).to(gl.float32)  # rows past Nq were zero-filled by TMA
     delta_b = gl.sum(o_tile * do_tile, axis=1)
@@ -188,12 +189,13 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:
     the forward's L, (Z, H, Nq) contiguous float32."""
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
-    block_m, block_n, stages = tiles(d)
+    width = fwd.tile_dim(d)
+    block_m, block_n, stages = tiles(width)
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     flash_dq_hopper_kernel[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
         fwd.descriptor(do, block_m), fwd.descriptor(dq_out, block_m), o, o.stride(0), o.stride(1), o.stride(2),
-        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1],
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1], d,
+        CAUSAL=causal, HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         num_warps=block_m // 16,  # one warpgroup per 64 query rows
     )

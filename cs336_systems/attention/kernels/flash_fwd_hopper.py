@@ -27,7 +27,8 @@ L = logsumexp of the scaled scores (natural log, float32) per query row, as the 
 the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
-this kernel is taken.  bfloat16 and float16 only; head dims 64, 128 and 256 (`HEAD_DIMS`).
+this kernel is taken.  bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96
+in 128-wide tiles, `tile_dim`).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ from cs336_systems.attention.kernels.flash_launch import capability_major, env_s
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem size the inputs allow; unset: the measured
 # defaults below (docs/flash-attention.md, Section 14).
 ENV = "CS336_FLASH_HOPPER_FWD"
-DEFAULT_HEAD_DIMS = (128, 256)  # at d 64 the portable forward measured as fast or faster
+DEFAULT_HEAD_DIMS = (80, 96, 128, 256)  # at d 64 the portable forward measured as fast or faster
 # Default size rule: keys per row and programs per SM.  Shorter rows do not amortize a program's unoverlapped
 # first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
 # kernel splits keys across programs instead.
@@ -295,12 +296,21 @@ def _box_layout(rows: int, head_dim: int, bf16: bool):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
 
 
+def tile_dim(head_dim: int) -> int:
+    """The kernels' tile width for a head dim: the next power of two, at least 64 (wgmma and Gluon's register
+    tiles are powers of two).  A narrower head dim (80, 96) runs in 128-wide tiles: its descriptors' boxes
+    are 128 columns wide, so TMA zero-fills the columns past d on loads (they add nothing to Q K^T, and the
+    products' columns past d are zero) and drops them on stores."""
+    return max(64, triton.next_power_of_2(head_dim))
+
+
 def descriptor(t: torch.Tensor, rows: int):
-    """A rank-4 TMA descriptor over the (Z, H, N, d) tensor t with (1, 1, rows, d) boxes."""
+    """A rank-4 TMA descriptor over the (Z, H, N, d) tensor t with (1, 1, rows, tile_dim(d)) boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _box_layout(rows, t.shape[-1], t.dtype is torch.bfloat16)
-    return TensorDescriptor.from_tensor(t, [1, 1, rows, t.shape[-1]], layout)
+    width = tile_dim(t.shape[-1])
+    layout = _box_layout(rows, width, t.dtype is torch.bfloat16)
+    return TensorDescriptor.from_tensor(t, [1, 1, rows, width], layout)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
@@ -309,10 +319,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     `usable` strides, k and v with H_kv heads dividing H."""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
-    bn = block_n(d)
+    width = tile_dim(d)
+    bn = block_n(width)
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
     flash_fwd_hopper_kernel[grid](
         descriptor(q, BLOCK_M), descriptor(k, bn), descriptor(v, bn), descriptor(o, BLOCK_M), lse,
         LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(d), num_warps=8,
+        CAUSAL=causal, HEAD_DIM=width, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(width), num_warps=8,
     )
