@@ -144,6 +144,27 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert hopper.usable(*qkv(1, 128, 128))
 
 
+def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
+    """d <= 128 (80 and 96 in 128-wide tiles): one launch, both outputs per program.  d 256: the dV and dK
+    parts in two launches when each fills the GPU (a key block per SM), the dV part with its own taller
+    steps; otherwise both parts in one launch (program_id(2) picks)."""
+    calls = []
+    monkeypatch.setattr(dkdv_hopper, "_launch", lambda *args: calls.append(args[-2:]))
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+
+    def plan(bh, n, d):
+        calls.clear()
+        q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
+        dkdv_hopper.dkdv(q, q, q, q, None, None, q, q, True)
+        return list(calls)
+
+    assert plan(8, 8192, 64) == [(dkdv_hopper.tiles(64), 0)]
+    assert plan(8, 8192, 96) == [(dkdv_hopper.tiles(128), 0)]
+    assert plan(8, 8192, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]  # 1024 key blocks
+    assert plan(1, 4096, 256) == [(dkdv_hopper.tiles(256), 3)]  # 64 key blocks: one launch of 128 programs
+
+
 def test_tiles_fit_shared_memory_at_every_head_dim():
     """Each kernel's bf16 tiles, at the tile width of each head dim, within the 227 KB an sm_90 program may
     use: Q + NUM_STAGES x (K + V) (forward), K + V + stages x (Q + dO) (dK/dV), Q + dO + stages x (K + V) (dQ)."""
@@ -152,8 +173,8 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         assert 2 * w * (hopper.BLOCK_M + 2 * hopper.stages(w) * hopper.block_n(w)) <= 227 * 1024, d
     for d in dkdv_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        block_n, block_m, stages = dkdv_hopper.tiles(w)
-        assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
+        for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256}:
+            assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
         block_m, block_n, stages = dq_hopper.tiles(w)
