@@ -146,8 +146,8 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
 
 def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     """d <= 128 (80 and 96 in 128-wide tiles): one launch, both outputs per program.  d 256: the dV and dK
-    parts in two launches when each fills the GPU (a key block per SM), the dV part with its own taller
-    steps; otherwise both parts in one launch (program_id(2) picks)."""
+    parts in two launches at long rows when each fills the GPU (a key block per SM), the dV part with its own
+    taller steps; otherwise both parts in one launch (program_id(2) picks)."""
     calls = []
     monkeypatch.setattr(dkdv_hopper, "_launch", lambda *args: calls.append(args[-2:]))
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
@@ -163,6 +163,7 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     assert plan(8, 8192, 96) == [(dkdv_hopper.tiles(128), 0)]
     assert plan(8, 8192, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]  # 1024 key blocks
     assert plan(1, 4096, 256) == [(dkdv_hopper.tiles(256), 3)]  # 64 key blocks: one launch of 128 programs
+    assert plan(8, 2048, 256) == [(dkdv_hopper.tiles(256), 3)]  # 256 key blocks, but short rows
 
 
 def test_tiles_fit_shared_memory_at_every_head_dim():

@@ -87,8 +87,10 @@ def parts(head_dim: int) -> int:
 
 # d 256, the dV part in a launch of its own: 64-row steps (S^T and P^T only, so the registers allow them)
 # read half the K bytes per product of 32-row steps, and measured 23-26% faster than them (H200, N 8192-65536);
-# the dK part keeps `tiles` (its 64-row steps spill).
+# the dK part keeps `tiles` (its 64-row steps spill).  Two launches only from SPLIT_MIN_QUERIES queries, where
+# they measured faster (at B 2, H 4, N 2048 the single launch was 0.17 ms against 0.24).
 DV_TILES_256 = (64, 64, 2)
+SPLIT_MIN_QUERIES = 8192
 
 
 @gluon.jit
@@ -312,14 +314,14 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
     """dk, dv (like k, v; `usable` strides) written in place; lse, delta (Z, H, Nq) contiguous float32.
 
     d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key
-    block, or, where each part alone fills the GPU (a key block per SM), two launches, so that the dV part
-    takes its own, taller steps (DV_TILES_256)."""
+    block, or, at SPLIT_MIN_QUERIES queries or more where each part alone fills the GPU (a key block per SM),
+    two launches, so that the dV part takes its own, taller steps (DV_TILES_256)."""
     width = fwd.tile_dim(q.shape[-1])
     if parts(width) == 1:
         _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0)
         return
     key_blocks = triton.cdiv(k.shape[-2], tiles(width)[0]) * k.shape[0] * k.shape[1]
-    if fwd.enough_work(key_blocks, q.device, 1):
+    if q.shape[-2] >= SPLIT_MIN_QUERIES and fwd.enough_work(key_blocks, q.device, 1):
         _launch(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1)
         _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 2)
     else:
