@@ -239,11 +239,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
                              num_warps: gl.constexpr):
     """Grid (key blocks, Z * H_kv, 1 or 2).  PART 0: dK and dV in one program; 1: dV only; 2: dK only; 3:
     program_id(2) picks (0: dV, 1: dK), one float32 accumulator per program (d 256)."""
-    dtype: gl.constexpr = q_desc.dtype
-    k_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    k_buf, v_buf, kv_bar = fwd.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
     q_buf, do_buf, ready = fwd.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
     fence_async_shared()
     if PART != 3:
@@ -262,10 +258,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """As `flash_fwd_hopper.wanted`, with this kernel's switch (ENV) and head dims."""
-    choice = env_switch(ENV)
-    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
-        return False
-    return fwd.supported_here(dtype, device)
+    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
 
 
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,

@@ -87,10 +87,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     rowsum_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                    warps_per_cta=[num_warps, 1], order=[1, 0])
 
-    q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qdo_bar, count=1)
+    q_buf, do_buf, qdo_bar = fwd.alloc_pair(q_desc, do_desc, BLOCK_M, HEAD_DIM)
     k_buf, v_buf, ready = fwd.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
     fence_async_shared()
     q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
@@ -161,10 +158,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims."""
-    choice = env_switch(ENV)
-    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
-        return False
-    return fwd.supported_here(dtype, device)
+    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
 
 
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,

@@ -92,6 +92,18 @@ def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_S
 
 
 @gluon.jit
+def alloc_pair(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Shared memory for one (1, 1, ROWS, HEAD_DIM) box of each of two tensors that stay resident (K and V,
+    or Q and dO) and the mbarrier their loads complete (initialized; the caller fences after its own
+    barriers).  Returns (a buffer, b buffer, barrier)."""
+    a_buf = gl.allocate_shared_memory(a_desc.dtype, [1, 1, ROWS, HEAD_DIM], a_desc.layout)
+    b_buf = gl.allocate_shared_memory(b_desc.dtype, [1, 1, ROWS, HEAD_DIM], b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    return a_buf, b_buf, bar
+
+
+@gluon.jit
 def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr):
     """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
@@ -254,13 +266,19 @@ def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
     return tma_enabled(device) and capability_major(device) == 9
 
 
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this kernel is chosen for the head dim, dtype and device: `supported_here`, and a head dim the
-    environment allows (ENV: "0" never, "1" every head dim in HEAD_DIMS, unset the DEFAULT_HEAD_DIMS)."""
-    choice = env_switch(ENV)
-    if choice == "0" or head_dim not in (HEAD_DIMS if choice == "1" else DEFAULT_HEAD_DIMS):
+def switched_on(env: str, head_dims: tuple[int, ...], default_head_dims: tuple[int, ...], head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> bool:
+    """A Gluon kernel's choice by head dim, dtype and device: `supported_here`, and a head dim its switch
+    allows (env "0": never, "1": every head dim in head_dims, unset: default_head_dims)."""
+    choice = env_switch(env)
+    if choice == "0" or head_dim not in (head_dims if choice == "1" else default_head_dims):
         return False
     return supported_here(dtype, device)
+
+
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this kernel is chosen for the head dim, dtype and device (`switched_on` with ENV)."""
+    return switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
 
 
 def enough_work(programs: int, device: torch.device, per_sm: int) -> bool:
