@@ -104,6 +104,19 @@ def alloc_pair(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def query_tile(heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's query tile on a grid (query tiles, Z * H), causal grids longest first (the last query
+    tile sees every key): returns (z * H + h, z, h, its K/V head h // group, first query row)."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    z = bh // heads
+    h = bh % heads
+    return bh, z, h, h // group, pid_m * BLOCK_M
+
+
+@gluon.jit
 def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr):
     """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
@@ -144,14 +157,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # longest first
-    bh = gl.program_id(1)
-    z = bh // heads
-    h = bh % heads
-    kv_head = h // group
-    start_m = pid_m * BLOCK_M
+    bh, z, h, kv_head, start_m = query_tile(heads, group, BLOCK_M, CAUSAL)
 
     # wgmma accumulators: each warpgroup holds 64 rows of S (BLOCK_M x BLOCK_N) and of O (BLOCK_M x HEAD_DIM)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
