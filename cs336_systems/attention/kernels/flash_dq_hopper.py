@@ -86,13 +86,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
     do_smem = do_buf.reshape([BLOCK_M, HEAD_DIM])
 
-    if CAUSAL:
-        hi = gl.minimum(start_m + BLOCK_M, n_k)
-        full = gl.minimum(start_m + 1, n_k) // BLOCK_N  # tiles that every row of this program sees entirely
-    else:
-        hi = n_k
-        full = n_k // BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_tiles, full = fwd.key_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], qdo_bar, q_buf)

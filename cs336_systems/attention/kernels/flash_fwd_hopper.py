@@ -117,6 +117,19 @@ def query_tile(heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def key_tiles(start_m, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The key tiles a query tile starting at row start_m visits (causal: up to its last row) and how many
+    of them, from the first, every one of its rows sees entirely (no mask needed): (n_tiles, full)."""
+    if CAUSAL:
+        hi = gl.minimum(start_m + BLOCK_M, n_k)
+        full = gl.minimum(start_m + 1, n_k) // BLOCK_N
+    else:
+        hi = n_k
+        full = n_k // BLOCK_N
+    return gl.cdiv(hi, BLOCK_N), full
+
+
+@gluon.jit
 def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr):
     """TMA-load key tile `tile` (K and V) into its ring stage; a no-op past the last tile."""
@@ -174,13 +187,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     fence_async_shared()
     q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
 
-    if CAUSAL:
-        hi = gl.minimum(start_m + BLOCK_M, n_k)
-        full = gl.minimum(start_m + 1, n_k) // BLOCK_N  # tiles that every row of this program sees entirely
-    else:
-        hi = n_k
-        full = n_k // BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_tiles, full = key_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf)
