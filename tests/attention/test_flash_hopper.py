@@ -164,6 +164,7 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     assert plan(8, 8192, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]  # 1024 key blocks
     assert plan(1, 4096, 256) == [(dkdv_hopper.tiles(256), 3)]  # 64 key blocks: one launch of 128 programs
     assert plan(8, 2048, 256) == [(dkdv_hopper.tiles(256), 3)]  # 256 key blocks, but short rows
+    assert plan(1, 8192, 256) == [(dkdv_hopper.tiles(256), 3)]  # long rows, but 128 key blocks: fewer than SMs
 
 
 def test_tiles_fit_shared_memory_at_every_head_dim():
@@ -352,18 +353,27 @@ def _token_major(batch, heads, n, d, dtype, seed):
     is_causal=st.booleans(),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     token_major=st.booleans(),
+    split_dv=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 # Fixed edge cases: causal key blocks that see no query (dK, dV must be zeros), one key, grouped heads at
 # ragged lengths.
-@example(heads=(3, 3), nq=17, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
-@example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, seed=2)
-@example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
-@example(heads=(4, 1), nq=255, nk=1025, d=256, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=4)
-def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
+@example(heads=(3, 3), nq=17, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False,
+         split_dv=False, seed=1)
+@example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, split_dv=False,
+         seed=2)
+@example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True,
+         split_dv=False, seed=3)
+@example(heads=(4, 1), nq=255, nk=1025, d=256, is_causal=True, dtype=torch.bfloat16, token_major=True,
+         split_dv=False, seed=4)
+@example(heads=(8, 2), nq=1000, nk=257, d=256, is_causal=False, dtype=torch.float16, token_major=True,
+         split_dv=True, seed=5)
+def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, split_dv,
+                                                    seed):
     """O, the saved L, dQ, dK, dV against float64 with the Gluon forward, dQ and dK/dV in the path (the dQ
     kernel reads the forward's L, the dK/dV kernel the dQ kernel's delta): ragged ends, Nq != Nk, one query or
-    one key, grouped K/V heads, token-major views; all three Gluon kernels must have run."""
+    one key, grouped K/V heads, token-major views; all three Gluon kernels must have run.  split_dv: d 256's
+    dK/dV as two launches (the dV part with its own tiles) whatever the size, as from 8192 queries."""
     hq, hkv = heads
     if token_major:
         q = _token_major(2, hq, nq, d, dtype, seed)
@@ -376,6 +386,9 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
         patch.setenv(dkdv_hopper.ENV, "1")
+        if split_dv:
+            patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
+            patch.setattr(hopper, "enough_work", lambda *args: True)
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
@@ -393,6 +406,8 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
     ran = []
     real = {"fwd": hopper.forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
     with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(hopper.ENV, raising=False)  # the default rules
+        patch.delenv(dkdv_hopper.ENV, raising=False)
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
@@ -434,3 +449,22 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
     for dk, dv in results[1:]:
         assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
     assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads():
+    """At d 256 with grouped K/V heads the defaults take the Gluon dQ (whose delta the portable dK/dV then
+    reads) and keep the portable dK/dV and forward (2048 keys): the mixed path against float64."""
+    q = random_qkv((1, 8), 2048, 2048, 256, torch.bfloat16, "cuda", 13)[0]
+    _, k, v = random_qkv((1, 2), 2048, 2048, 256, torch.bfloat16, "cuda", 14)
+    ran = []
+    real = {"fwd": hopper.forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(hopper.ENV, raising=False)
+        patch.delenv(dkdv_hopper.ENV, raising=False)
+        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
+        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
+        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
+        assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, True)
+    assert ran == ["dq"], ran

@@ -97,7 +97,9 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     # delta = rowsum(O * dO) for these rows, stored for the dK/dV kernel
     rows_b = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rowsum_layout))
     cols_b = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rowsum_layout))
-    o_ptrs = O + z * stride_oz + h * stride_oh + gl.expand_dims(rows_b, 1) * stride_on + gl.expand_dims(cols_b, 0)
+    # 64-bit offsets: O may hold 2^31 elements or more (the TMA descriptors carry their own)
+    o_row0 = z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+    o_ptrs = O + o_row0 + gl.expand_dims(rows_b.to(gl.int64), 1) * stride_on + gl.expand_dims(cols_b, 0)
     o_mask = gl.expand_dims(rows_b < n_q, 1) & gl.expand_dims(cols_b < head_dim, 0)  # a head dim below the tile's
     o_tile = gl.load(o_ptrs, mask=o_mask, other=0.0).to(gl.float32)
     mbarrier.wait(qdo_bar, 0)
