@@ -283,10 +283,12 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """(Z, H, N, d) tensors with TMA-compatible strides and base addresses, and `fits`."""
-    if not all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)):
+    """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses (checked last, as in
+    `flash_fwd_hopper.usable`)."""
+    if q.dim() != 4 or k.dim() != 4:
         return False
-    return fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
+    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
+            and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)))
 
 
 def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int) -> None:

@@ -315,10 +315,12 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """(Z, H, N, d) inputs with TMA-compatible strides and base addresses, and `fits`."""
-    if not all(t.dim() == 4 and aligned(t) for t in (q, k, v)):
+    """(Z, H, N, d) inputs, `fits`, and TMA-compatible strides and base addresses (checked last: `fits`
+    turns most calls away at its head-dim and size rules, cheaper than reading every tensor's layout)."""
+    if q.dim() != 4 or k.dim() != 4:
         return False
-    return fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
+    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
+            and all(t.dim() == 4 and aligned(t) for t in (q, k, v)))
 
 
 @functools.cache
