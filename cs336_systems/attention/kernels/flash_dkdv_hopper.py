@@ -25,10 +25,11 @@ which drop rows past Nk.  Grouped-query attention: the query loop runs over the 
 dK and dV sum over the group with no atomics.
 
 d 256: a (64, 256) float32 accumulator is 128 registers a thread, so one warpgroup cannot hold dK and dV
-together.  The grid gets a third axis of two programs per key block (`parts`): one accumulates dV (S^T, then
-dV += P^T dO_t; V is not read), the other dK (S^T, dP^T, then dK += dS^T Q_t).  Five tile products instead of
-four, the split the portable kernel makes at this head dim (`TileConfig.parts`), and the same arithmetic per
-output, so the results equal the one-pass kernel's.
+together.  Each key block gets two programs (`parts`): one accumulates dV (S^T, then dV += P^T dO_t; V is not
+read), the other dK (S^T, dP^T, then dK += dS^T Q_t).  Five tile products instead of four, the split the
+portable kernel makes at this head dim (`TileConfig.parts`), and the same arithmetic per output, so the
+results equal the one-pass kernel's.  Short rows run both parts in one launch (a third grid axis); long rows
+in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256).
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
 shares); bfloat16 and float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles:
