@@ -40,7 +40,12 @@ are registered operators, chosen once per traced shape (`_inductor_path`):
     host-side TMA descriptors, which torch 2.11 cannot trace inside a `triton_op` (docs/flash-attention.md,
     Sections 3, 6 and 14); the price is the custom-op dispatch on the host, not device time.
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
-dispatch: at small sizes that dispatch is most of the call.
+dispatch: at small sizes that dispatch is most of the call.  From the second eager call of a signature
+(shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, the portable kernels'
+launches are replayed as the first call recorded them (`kernels/flash_replay`): no validation, no
+configuration lookup, no launcher Python and no Triton JIT binding, only the output allocations and one
+launcher call per kernel.  Calls that take a Gluon kernel, a workspace (key or group splits) or a TMA
+descriptor launch the ordinary way.  ``CS336_FLASH_REPLAY=0`` turns replays off.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
@@ -58,14 +63,17 @@ or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`flash_configs.fp32_d
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from cs336_systems.attention.kernels import flash_kernels
-from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.checks import check_qkv, dims_text
+from cs336_systems.attention.kernels import flash_autotune, flash_configs, flash_kernels
+from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
 from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
 from cs336_systems.attention.kernels.flash_launch import direct
+from cs336_systems.attention.kernels.flash_replay import Recorder, hooks_idle
 
 try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
     from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
@@ -91,32 +99,111 @@ def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = 
     return select(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device, may_tune=may_tune)
 
 
-def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None):
+REPLAY_ENV = "CS336_FLASH_REPLAY"
+# Every switch the launch path reads: a recorded call replays only under the switches it was recorded with.
+_SWITCHES = (REPLAY_ENV, launch.TMA_ENV, launch.SPLITS_ENV, launch.GROUP_SPLITS_ENV, flash_configs.SPLIT_D_ENV,
+             flash_configs.FP32_DOT_ENV, flash_autotune.AUTOTUNE_ENV, flash_autotune.CACHE_ENV,
+             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD")
+# os.environ keeps its encoded items in `_data` (CPython, every platform), which os.environ's writes (and
+# pytest's monkeypatch) update: read there, the ten switches cost ~0.4 us instead of ~8 (os.environ.get).
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if _ENVIRON is not None else ()
+_OFF = os.environ.encodekey("0") if _ENVIRON is not None else "0"  # REPLAY_ENV's value that turns replays off
+MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
+# Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a Gluon
+# kernel, a workspace, a descriptor).  Only validated, non-empty signatures are ever entered.
+_recorded: dict[tuple, Recorder | None] = {}
+
+
+def _switches() -> tuple:
+    if _ENVIRON is not None:
+        return tuple(map(_ENVIRON.get, _ENCODED))
+    return tuple(os.environ.get(name) for name in _SWITCHES)  # pragma: no cover - a non-CPython os.environ
+
+
+def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
+    """The signature under which an eager call's launches are recorded and replayed (`flash_replay`), or None
+    where calls are never replayed: not a CUDA tensor, the interpreter, Triton launch hooks installed, or
+    ``CS336_FLASH_REPLAY=0``.  Everything the launch path decides from is in it: each tensor's shape, strides,
+    dtype and device, the inputs' 16-byte alignment and which of them share an address, ``is_causal``, the
+    current device, the launch switches and the autotune memo's generation."""
+    if KERNELS_INTERPRETED or not tensors[0].is_cuda or (is_causal is not True and is_causal is not False):
+        return None
+    switches = _switches()
+    if switches[0] == _OFF or not hooks_idle():
+        return None
+    ptrs = [t.data_ptr() for t in tensors]
+    return (kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches,
+            tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+            tuple(p % 16 == 0 for p in ptrs), tuple(ptrs.index(p) for p in ptrs))
+
+
+def _replayed(key: tuple | None, slots: tuple[torch.Tensor, ...]) -> bool:
+    """Launch the calls recorded under ``key`` on ``slots``; False where there is nothing to replay."""
+    recorder = _recorded.get(key) if key is not None else None
+    if recorder is None:
+        return False
+    # the current device's current stream, where Triton's JIT launched the recorded call (key[2]: that device)
+    recorder.replay(slots, torch._C._cuda_getCurrentRawStream(key[2]))
+    return True
+
+
+def _remember(key: tuple, recorder: Recorder | None) -> None:
+    """Keep ``recorder`` for ``key`` if it recorded a replayable call, else None (the ordinary path)."""
+    if len(_recorded) >= MAX_RECORDED:
+        _recorded.clear()
+    if recorder is not None:
+        recorder.slots = ()  # the recording's tensors are not kept alive
+        if not (recorder.ok and recorder.launches):
+            recorder = None
+    _recorded[key] = recorder
+
+
+def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None,
+             key: tuple | None = None):
+    """O and L for (Z, H, N, d) views; ``key`` (eager calls, `_replay_key`): replay the launches recorded
+    under it, or record them."""
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    slots = (q, k, v, o, lse)
+    if _replayed(key, slots):
+        return o, lse
+    recorder = None
     if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
         hopper.forward(q, k, v, o, lse, is_causal)  # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
-        return o, lse
-    cfg = _select(q, k, is_causal, may_tune)
-    launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], wrap, tma=tma)
+    else:
+        cfg = _select(q, k, is_causal, may_tune)
+        recorder = Recorder(slots) if key is not None else None
+        launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
+    if key is not None:
+        _remember(key, recorder)
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None):
-    cfg = _select(q, k, is_causal)
+def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None):
+    """dQ, dK, dV; ``key`` as in `_forward`."""
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
+    if _replayed(key, slots):
+        return dq, dk, dv
+    cfg = _select(q, k, is_causal)
+    recorder = Recorder(slots) if key is not None else None
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
     if gluon and dq_hopper.usable(q, k, v, o, do):
         dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)  # Gluon, sm_90 (flash_dq_hopper); also delta
+        recorder = None  # a Gluon launch (host-side descriptors) is not recorded
     else:
-        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
+        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], recorder or wrap, o=o, tma=tma)
     if gluon and dkdv_hopper.usable(q, k, v, do):
         dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)  # Gluon, sm_90 (flash_dkdv_hopper)
+        recorder = None
     else:
-        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
+        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], recorder or wrap)
+    if key is not None:
+        _remember(key, recorder)
     return dq, dk, dv
 
 
@@ -264,23 +351,27 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
-        ctx.empty = empty = _validate(q, k, v, is_causal)
-        ctx.is_causal = is_causal
+        # An eager call whose signature was seen before skips validation: it passed when it was recorded.
+        eager = _eager(q)
+        key = _replay_key("fwd", is_causal, (q, k, v)) if eager else None
+        empty = False if key in _recorded else _validate(q, k, v, is_causal)
+        ctx.empty, ctx.is_causal, ctx.key = empty, is_causal, key
         if empty:  # no queries or an empty batch: an empty output, no launch
             o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
             ctx.save_for_backward(q, k, v, o, lse)
             return o
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
         ctx.inductor = False
-        if _eager(q):
-            o, lse = _forward(q4, k4, v4, is_causal, may_tune=True)
+        if eager:
+            o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key)
         elif _inductor_path(q4, k4, v4, is_causal):
             ctx.inductor = True
             o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal)
         else:
             o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
-        o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
-        lse = lse.view(q.shape[:-1])
+        if q.dim() != 4:
+            o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
+            lse = lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
@@ -290,7 +381,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         if ctx.empty:  # no query saw any key: dQ is empty, dK and dV are zero
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
         q4 = _as_4d(q)
-        args = (q4, _as_4d(k), _as_4d(v), _as_4d(o), lse.reshape(q4.shape[:-1]), _as_4d(grad_out), ctx.is_causal)
+        lse4 = lse if lse.dim() == 3 else lse.reshape(q4.shape[:-1])
+        args = (q4, _as_4d(k), _as_4d(v), _as_4d(o), lse4, _as_4d(grad_out), ctx.is_causal)
         if _eager(grad_out):
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_out)):
                 # create_graph=True: the kernels' results would carry no graph, so a second derivative
@@ -299,11 +391,14 @@ class FlashAttentionTriton(torch.autograd.Function):
                     "flash-triton does not support double backward: its backward ran with create_graph=True "
                     "and its gradients would not be differentiable; use the 'naive' attention for "
                     "higher-order gradients")
-            dq, dk, dv = _backward(*args)
+            key = None if ctx.key is None else _replay_key("bwd", ctx.is_causal, args[:4] + args[5:6])
+            dq, dk, dv = _backward(*args, key=key)
         elif ctx.inductor:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd_inductor(*args)
         else:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
+        if q.dim() == 4:  # (the reshapes would return views of the same shape: ~2 us each)
+            return dq, dk, dv, None
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
 
 

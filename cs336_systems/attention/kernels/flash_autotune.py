@@ -59,6 +59,9 @@ AUTOTUNE_VALUES = ("0", "1")  # unset or empty counts as "0"
 CACHE_ENV = "CS336_FLASH_CACHE"
 
 _selected: dict[tuple[ShapeKey, str], dict[str, TileConfig]] = {}
+# Bumped whenever a memoized choice may change (a tuning saved, the memo cleared): flash_triton's recorded
+# launches (`flash_replay`) are keyed on it, so they are recorded again with the new choice.
+generation = 0
 _cache: dict[str, dict[str, dict[str, str]]] | None = None
 
 
@@ -168,7 +171,7 @@ def _locked(path: Path):
 def _store_cache(device: torch.device, key: ShapeKey, chosen: dict[str, TileConfig]) -> None:
     """Add one entry: re-read the file under a lock and merge, so entries other processes saved since this
     one loaded the cache are kept; then write atomically (readers never see a half-written file)."""
-    global _cache
+    global _cache, generation
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
@@ -178,6 +181,7 @@ def _store_cache(device: torch.device, key: ShapeKey, chosen: dict[str, TileConf
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
         tmp.replace(target)
     _cache = cache
+    generation += 1
 
 
 def cached(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
@@ -193,9 +197,10 @@ def cached(key: ShapeKey, device: torch.device) -> dict[str, TileConfig] | None:
 
 def clear_memo() -> None:
     """Forget memoized choices and the loaded cache (tests; after editing the cache file)."""
-    global _cache
+    global _cache, generation
     _selected.clear()
     _cache = None
+    generation += 1
 
 
 def select(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool,

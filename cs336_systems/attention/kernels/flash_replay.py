@@ -1,0 +1,150 @@
+"""Replayed launches: the Triton launches of an eager flash-triton call, recorded once per call signature.
+
+At the models' short sequences (B 4, N 512) one attention call is tens of microseconds of GPU work, and an
+eager call's host time is what a training step pays: validation, the configuration lookup, the launchers'
+Python (grids, strides, key splits, descriptors) and Triton's JIT launch (argument binding, specialization
+key, cache lookup) cost several times SDPA's whole C++ call (docs/flash-attention.md, Section 9).  All of
+that is a function of the call's signature: shapes, strides, dtypes, the device, ``is_causal``, the
+alignment of the input pointers, the environment switches and the autotune memo.  So the first call of a
+signature runs the launchers under a `Recorder` (an ordinary launch through Triton's JIT that also keeps the
+compiled kernel, the grid and every argument), and later calls of that signature only allocate the outputs
+and hand the recorded arguments, with the new tensors in their slots, to each compiled kernel's launcher:
+
+    plan = Recorder(slots)            # slots: the call's tensors, inputs and freshly allocated outputs
+    launch.forward(..., wrap=plan)    # launches as usual, and records each launch
+    plan.replay(new_slots, stream)    # later: the same kernels, grids and scalars on new tensors
+
+A recording is refused (`Recorder.ok` False; the call keeps the ordinary path) when a launch takes an
+argument it cannot replay: a tensor that is none of the slots (a workspace allocated inside the launcher,
+e.g. the key-split partials), a TMA descriptor (built per call around the tensor's address), a grid given
+as a function, or a kernel still compiling.  Replays also keep Triton's launch hooks (profilers) on the
+ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its integer arguments (equal to 1,
+divisible by 16) and on the 16-byte alignment of its pointers; the integers are part of the signature, the
+inputs' alignment is part of the key (`aligned`), and the outputs come from PyTorch's allocator, which
+aligns every block to at least 512 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Triton >= 3.3 keeps the launch hooks in knobs
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _knobs = None
+
+
+def hooks_idle() -> bool:
+    """Whether no Triton launch hook is installed (then a launch passes no launch metadata)."""
+    runtime = getattr(_knobs, "runtime", None)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(runtime, name, None)
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    """The 16-byte alignment of each tensor's address (Triton specializes pointer arguments on it)."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _name(kernel) -> str:
+    return getattr(kernel, "__name__", type(kernel).__name__)
+
+
+class _Launch:
+    """One recorded launch: the compiled kernel, its grid, and its arguments in the kernel's parameter
+    order, with each slot tensor replaced by its index in `slot_of`."""
+
+    __slots__ = ("args", "compiled", "grid", "slot_of")
+
+    def __init__(self, compiled, grid: tuple[int, int, int], args: list, slot_of: tuple[tuple[int, int], ...]):
+        self.compiled, self.grid, self.args, self.slot_of = compiled, grid, args, slot_of
+
+
+class Recorder:
+    """The ``wrap`` a launcher runs under to record its launches (see the module docstring).
+
+    ``slots``: every tensor the launches may take, in a fixed order the replay repeats.  Each launch goes
+    through Triton's JIT as usual; a tensor argument is matched to the slot with the same address, dtype and
+    shape (ambiguous or unmatched: the recording is refused)."""
+
+    def __init__(self, slots: tuple[torch.Tensor, ...]) -> None:
+        self.slots = slots
+        self.launches: list[_Launch] = []
+        self.ok = True
+        self.why = ""
+
+    def __call__(self, kernel):
+        return _Recording(self, kernel)
+
+    def refuse(self, why: str) -> None:
+        if self.ok:
+            self.ok, self.why = False, why
+
+    def _slot(self, t: torch.Tensor) -> int | None:
+        matches = [i for i, s in enumerate(self.slots)
+                   if s.data_ptr() == t.data_ptr() and s.dtype == t.dtype and s.shape == t.shape]
+        if len(matches) != 1:
+            return None
+        i = matches[0]
+        # The kernels address a slot through the strides passed beside it; those are recorded as integers
+        # from the tensor the launcher used, so that tensor must have the slot's strides.
+        return i if self.slots[i].stride() == t.stride() else None
+
+    def add(self, kernel, compiled, grid, args: tuple, kwargs: dict) -> None:
+        if compiled is None or not hasattr(compiled, "packed_metadata"):  # the interpreter's launch returns None
+            self.refuse("the launch returned no compiled kernel")
+            return
+        if hasattr(compiled, "result"):
+            self.refuse("the kernel was still compiling")
+            return
+        if callable(grid) or not all(isinstance(g, int) for g in grid) or not 1 <= len(grid) <= 3:
+            self.refuse(f"grid {grid!r} is not 1-3 integers")
+            return
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        names = set(kernel.arg_names)
+        bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        slot_of = []
+        for position, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                slot = self._slot(value)
+                if slot is None:
+                    self.refuse(f"argument {kernel.arg_names[position]} of {_name(kernel)} is not one of the "
+                                "call's tensors")
+                    return
+                slot_of.append((position, slot))
+                values[position] = None
+            elif not isinstance(value, (int, float, bool, str, type(None), triton.language.dtype)):
+                # descriptors and anything else built per call around an address
+                self.refuse(f"argument {kernel.arg_names[position]} of {_name(kernel)} is a "
+                            f"{type(value).__name__}")
+                return
+        self.launches.append(_Launch(compiled, grid, values, tuple(slot_of)))
+
+    def replay(self, slots: tuple[torch.Tensor, ...], stream: int) -> None:
+        """Launch the recorded kernels on ``slots`` (same signature as the recorded ones) on ``stream``."""
+        for launch in self.launches:
+            args = launch.args.copy()
+            for position, slot in launch.slot_of:
+                args[position] = slots[slot]
+            compiled = launch.compiled
+            compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+class _Recording:
+    """`Recorder(kernel)[grid](*args, **kwargs)`: Triton's JIT launch, then the recorder keeps what it ran."""
+
+    def __init__(self, recorder: Recorder, kernel) -> None:
+        self.recorder, self.kernel = recorder, kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            compiled = self.kernel[grid](*args, **kwargs)
+            self.recorder.add(self.kernel, compiled, grid, args, kwargs)
+            return compiled
+        return run

@@ -1,0 +1,273 @@
+"""Replayed launches (flash_replay, flash_triton's eager path): the recorder on stand-in kernels (CPU), and on
+a GPU replayed calls against the ordinary launch path, bit for bit, with everything that must change the
+recorded signature changed in turn."""
+
+import inspect
+
+import pytest
+import torch
+from attention_reference import random_qkv
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import REPLAY_ENV, FlashAttentionTriton
+from cs336_systems.attention.kernels import flash_replay
+from cs336_systems.attention.kernels.flash_replay import Recorder
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: `run` keeps what it was launched with."""
+
+    def __init__(self):
+        self.function, self.packed_metadata, self.launched = "fn", "meta", []
+
+    def run(self, *args):
+        self.launched.append(args)
+
+
+class _Kernel:
+    """Stands in for a @triton.jit function of (X, Y, n, stride, SCALE, BLOCK: constexpr = 16)."""
+
+    def __init__(self):
+        def kernel(X, Y, n, stride, SCALE, BLOCK=16):
+            pass
+        self.signature = inspect.signature(kernel)
+        self.arg_names = list(self.signature.parameters)
+        self.__name__ = "kernel"
+        self.compiled = _Compiled()
+        self.jit_launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit_launches.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+def test_recorder_replays_each_launch_with_the_new_tensors_in_their_slots():
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    recorder(kernel)[(3, 2)](x, y, 32, 8, SCALE=0.5, num_warps=4)  # num_warps: a launch option, not an argument
+    recorder(kernel)[(5,)](y, x, 32, 8, 0.25, BLOCK=32)
+    assert recorder.ok and len(kernel.jit_launches) == 2  # recording launches through the JIT
+    assert recorder.slots == (x, y)
+    x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
+    recorder.replay((x2, y2), stream=7)
+    first, second = kernel.compiled.launched
+    assert first[:7] == (3, 2, 1, 7, "fn", "meta", None) and first[7:9] == (None, None)
+    assert first[9] is x2 and first[10] is y2 and first[11:] == (32, 8, 0.5, 16)
+    assert second[:3] == (5, 1, 1) and second[9] is y2 and second[10] is x2 and second[11:] == (32, 8, 0.25, 32)
+
+
+@pytest.mark.parametrize("case", ["workspace", "descriptor", "grid function", "aliased slots", "other strides",
+                                  "still compiling", "interpreted"])
+def test_recorder_refuses_launches_it_cannot_replay(case):
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel = _Kernel()
+    slots, args, grid = (x, y), (x, y, 32, 8, 1.0), (1,)
+    if case == "workspace":
+        args = (x, torch.zeros(4, 8), 32, 8, 1.0)
+    elif case == "descriptor":
+        args = (x, y, object(), 8, 1.0)
+    elif case == "grid function":
+        grid = lambda meta: (1,)
+    elif case == "aliased slots":
+        slots = (x, x.view(4, 8), y)
+    elif case == "other strides":
+        args = (x.t(), y, 32, 8, 1.0)
+        slots = (torch.as_strided(x, (8, 4), (4, 1)), y)  # x.t()'s memory, dtype and shape; other strides
+    elif case == "still compiling":
+        kernel.compiled.result = lambda: None
+    elif case == "interpreted":
+        kernel.compiled = None
+    recorder = Recorder(slots)
+    recorder(kernel)[grid](*args)
+    assert not recorder.ok and recorder.why and not recorder.launches
+
+
+def test_launch_hooks_keep_calls_on_the_ordinary_path(monkeypatch):
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    class Runtime:
+        launch_enter_hook, launch_exit_hook = Chain([]), Chain([])
+
+    class Knobs:
+        runtime = Runtime
+
+    monkeypatch.setattr(flash_replay, "_knobs", Knobs)
+    assert flash_replay.hooks_idle()
+    monkeypatch.setattr(Runtime, "launch_exit_hook", Chain([print]))
+    assert not flash_replay.hooks_idle()
+    monkeypatch.setattr(Runtime, "launch_exit_hook", None)
+    assert flash_replay.hooks_idle()
+
+
+def test_switches_follow_the_environment(monkeypatch):
+    for name in flash_triton._SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert flash_triton._switches() == (None,) * len(flash_triton._SWITCHES)
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")
+    monkeypatch.setenv(REPLAY_ENV, "0")
+    switches = flash_triton._switches()
+    values = {name: value for name, value in zip(flash_triton._SWITCHES, switches) if value is not None}
+    assert {name: (v.decode() if isinstance(v, bytes) else v) for name, v in values.items()} == {
+        "CS336_FLASH_TMA": "0", REPLAY_ENV: "0"}
+    assert switches[0] == flash_triton._OFF
+
+
+def test_every_switch_the_launch_path_reads_is_in_the_signature():
+    import pathlib
+    import re
+
+    root = pathlib.Path(flash_triton.__file__).parent
+    read = set()
+    for path in [root / "flash_triton.py", *sorted((root / "kernels").glob("*.py"))]:
+        read |= set(re.findall(r'"(CS336_FLASH_[A-Z0-9_]+)"', path.read_text()))
+    assert read == set(flash_triton._SWITCHES)
+
+
+def test_recorded_table_keeps_no_tensors_and_starts_over_when_full(monkeypatch):
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_triton, "MAX_RECORDED", 3)
+    x = torch.zeros(2)
+    refused = Recorder((x,))
+    refused.refuse("a workspace")
+    flash_triton._remember(("a",), refused)
+    kept = Recorder((x,))
+    kept(_Kernel())[(1,)](x, x.clone(), 1, 1, 1.0)  # refused too: the second tensor is no slot
+    flash_triton._remember(("b",), kept)
+    good = Recorder((x, torch.ones(2)))
+    good(_Kernel())[(1,)](good.slots[0], good.slots[1], 1, 1, 1.0)
+    flash_triton._remember(("c",), good)
+    assert flash_triton._recorded == {("a",): None, ("b",): None, ("c",): good} and good.slots == ()
+    flash_triton._remember(("d",), None)
+    assert flash_triton._recorded == {("d",): None}
+
+
+def test_interpreted_or_cpu_calls_are_never_recorded():
+    q = torch.zeros(1, 1, 4, 16)
+    assert flash_triton._replay_key("fwd", True, (q, q, q)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: replayed calls against the ordinary path
+
+
+def _outputs(q, k, v, is_causal, grad_out):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = FlashAttentionTriton.apply(q, k, v, is_causal)
+    o.backward(grad_out)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def _ordinary(monkeypatch, *args):
+    with monkeypatch.context() as patch:
+        patch.setenv(REPLAY_ENV, "0")
+        return _outputs(*args)
+
+
+def _replays(monkeypatch):
+    """Count Recorder.replay calls."""
+    count = []
+    real = Recorder.replay
+    monkeypatch.setattr(Recorder, "replay", lambda self, *a: count.append(1) or real(self, *a))
+    return count
+
+
+def _token_major(batch, heads, n, d, dtype, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(batch, n, heads, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.sampled_from([(4, 4), (8, 2), (3, 1)]), nq=st.integers(1, 1100), nk=st.integers(1, 1100),
+    d=st.sampled_from([16, 32, 64, 80, 96, 128]), is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), token_major=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(heads=(25, 25), nq=512, nk=512, d=64, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=0)
+@example(heads=(32, 32), nq=512, nk=512, d=80, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=1)
+def test_gpu_replayed_calls_match_the_ordinary_path_bit_for_bit(heads, nq, nk, d, is_causal, dtype, token_major,
+                                                              seed):
+    """The first call of a signature records its launches and the second replays them: both give exactly
+    the ordinary path's O, dQ, dK and dV (that path is checked against float64 elsewhere)."""
+    hq, hkv = heads
+    if token_major:
+        q, k, v = (_token_major(2, h, n, d, dtype, seed + i) for i, (h, n) in enumerate(((hq, nq), (hkv, nk), (hkv, nk))))
+    else:
+        q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
+        _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    grad_out = torch.randn_like(q)
+    with pytest.MonkeyPatch.context() as patch:
+        expected = _ordinary(patch, q, k, v, is_causal, grad_out)
+        patch.delenv(REPLAY_ENV, raising=False)
+        for _ in range(2):
+            for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
+                assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_model_shapes_replay_every_launch(monkeypatch):
+    """At the models' context 512 (B 4, token-major views) every launch of forward and backward is replayed
+    from the second call on: one forward launch, then dQ and dK/dV."""
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    for heads, d in ((25, 64), (32, 80)):
+        q, k, v = (_token_major(4, heads, 512, d, torch.bfloat16, i) for i in range(3))
+        grad_out = torch.randn_like(q)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(flash_triton, "_recorded", {})
+            _outputs(q, k, v, True, grad_out)
+            count = _replays(patch)
+            _outputs(q, k, v, True, grad_out)
+            assert len(count) == 2
+            recorded = flash_triton._recorded
+            assert sorted((key[0], len(plan.launches)) for key, plan in recorded.items()) == [("bwd", 2), ("fwd", 1)]
+
+
+@pytest.mark.gpu
+def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
+    """What the launch path decides from changes the signature: ``is_causal``, an input's alignment, aliased
+    inputs, a switch (here forced key splits, which need a workspace and so are not recorded); every call
+    matches the ordinary path."""
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    monkeypatch.delenv("CS336_FLASH_SPLITS", raising=False)
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    g = torch.Generator("cuda").manual_seed(3)
+    shape = (2, 16, 257, 64)  # enough programs that the forward splits no keys by default
+    size = 2 * 16 * 257 * 64
+    q = torch.randn(shape, generator=g, device="cuda", dtype=torch.float16)
+    q_odd = torch.randn(size + 1, generator=g, device="cuda", dtype=torch.float16)[1:].view(shape)  # 2 bytes off
+    k, v = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float16) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    cases = [(q, k, v, True), (q, k, v, False), (q_odd, k, v, True), (q, k, k, True)]
+    for args in cases:
+        expected = _ordinary(monkeypatch, *args, grad_out)
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(_outputs(*args, grad_out), expected))
+    keys = [flash_triton._replay_key("fwd", c, (a, b, w)) for a, b, w, c in cases]
+    assert len(set(keys)) == len(cases) and all(flash_triton._recorded[key] is not None for key in keys)
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "2")
+    expected = _ordinary(monkeypatch, q, k, v, True, grad_out)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(_outputs(q, k, v, True, grad_out), expected))
+    key = flash_triton._replay_key("fwd", True, (q, k, v))
+    assert key not in keys and flash_triton._recorded[key] is None  # partials: launched the ordinary way
+
+
+@pytest.mark.gpu
+def test_gpu_recorded_signatures_still_refuse_bad_calls():
+    """A signature seen before skips validation only for the same valid call: ``is_causal`` that is no
+    bool, and double backward, are still refused."""
+    q, k, v = (_token_major(2, 4, 64, 32, torch.bfloat16, i).requires_grad_() for i in range(3))
+    for _ in range(2):
+        FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+    with pytest.raises(ValueError, match="is_causal must be a bool"):
+        FlashAttentionTriton.apply(q, k, v, 1)
+    o = FlashAttentionTriton.apply(q, k, v, True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
