@@ -60,7 +60,16 @@ def test_recorder_replays_each_launch_with_the_new_tensors_in_their_slots():
     assert second[:3] == (5, 1, 1) and second[9] is y2 and second[10] is x2 and second[11:] == (32, 8, 0.25, 32)
 
 
-@pytest.mark.parametrize("case", ["workspace", "descriptor", "grid function", "aliased slots", "other strides",
+def test_slots_that_share_memory_take_the_first():
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, x.view(4, 8), y))  # as k is v: the key records the sharing
+    recorder(kernel)[(1,)](x.view(4, 8), y, 32, 8, 1.0)
+    x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
+    recorder.replay((x2, x2, y2), stream=0)
+    assert recorder.ok and kernel.compiled.launched[0][9] is x2 and kernel.compiled.launched[0][10] is y2
+
+
+@pytest.mark.parametrize("case", ["workspace", "descriptor", "grid function", "other strides",
                                   "still compiling", "interpreted"])
 def test_recorder_refuses_launches_it_cannot_replay(case):
     x, y = torch.zeros(4, 8), torch.zeros(4, 8)
@@ -72,8 +81,6 @@ def test_recorder_refuses_launches_it_cannot_replay(case):
         args = (x, y, object(), 8, 1.0)
     elif case == "grid function":
         grid = lambda meta: (1,)
-    elif case == "aliased slots":
-        slots = (x, x.view(4, 8), y)
     elif case == "other strides":
         args = (x.t(), y, 32, 8, 1.0)
         slots = (torch.as_strided(x, (8, 4), (4, 1)), y)  # x.t()'s memory, dtype and shape; other strides

@@ -68,8 +68,8 @@ class Recorder:
     """The ``wrap`` a launcher runs under to record its launches (see the module docstring).
 
     ``slots``: every tensor the launches may take, in a fixed order the replay repeats.  Each launch goes
-    through Triton's JIT as usual; a tensor argument is matched to the slot with the same address, dtype and
-    shape (ambiguous or unmatched: the recording is refused)."""
+    through Triton's JIT as usual; a tensor argument is matched to the first slot with the same address,
+    dtype, shape and strides (none: the recording is refused)."""
 
     def __init__(self, slots: tuple[torch.Tensor, ...]) -> None:
         self.slots = slots
@@ -85,14 +85,15 @@ class Recorder:
             self.ok, self.why = False, why
 
     def _slot(self, t: torch.Tensor) -> int | None:
-        matches = [i for i, s in enumerate(self.slots)
-                   if s.data_ptr() == t.data_ptr() and s.dtype == t.dtype and s.shape == t.shape]
-        if len(matches) != 1:
-            return None
-        i = matches[0]
-        # The kernels address a slot through the strides passed beside it; those are recorded as integers
-        # from the tensor the launcher used, so that tensor must have the slot's strides.
-        return i if self.slots[i].stride() == t.stride() else None
+        """The first slot with ``t``'s address, dtype, shape and strides (the kernels address a slot through
+        the strides recorded beside it as integers), or None.  Slots that share memory (k is v) are told
+        apart by nothing here: the caller's key must include which slots share an address, so that a replay
+        finds the same sharing."""
+        ptr, dtype, shape, stride = t.data_ptr(), t.dtype, t.shape, t.stride()
+        for i, s in enumerate(self.slots):
+            if s.data_ptr() == ptr and s.dtype == dtype and s.shape == shape and s.stride() == stride:
+                return i
+        return None
 
     def add(self, kernel, compiled, grid, args: tuple, kwargs: dict) -> None:
         if compiled is None or not hasattr(compiled, "packed_metadata"):  # the interpreter's launch returns None
