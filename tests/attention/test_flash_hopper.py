@@ -162,6 +162,9 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     assert plan(8, 8192, 64) == [(dkdv_hopper.tiles(64), 0)]
     assert plan(8, 8192, 96) == [(dkdv_hopper.tiles(128), 0)]
     assert plan(8, 8192, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]  # 1024 key blocks
+    long = [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.DK_TILES_LONG_256, 2)]
+    assert plan(1, dkdv_hopper.LONG_QUERIES, 256) == long  # the dK part's 16-row steps
+    assert plan(1, dkdv_hopper.LONG_QUERIES - 64, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]
     assert plan(1, 4096, 256) == [(dkdv_hopper.tiles(256), 3)]  # 64 key blocks: one launch of 128 programs
     assert plan(8, 2048, 256) == [(dkdv_hopper.tiles(256), 3)]  # 256 key blocks, but short rows
     assert plan(1, 8192, 256) == [(dkdv_hopper.tiles(256), 3)]  # long rows, but 128 key blocks: fewer than SMs
@@ -175,7 +178,7 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         assert 2 * w * (hopper.BLOCK_M + 2 * hopper.stages(w) * hopper.block_n(w)) <= 227 * 1024, d
     for d in dkdv_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256}:
+        for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256, dkdv_hopper.DK_TILES_LONG_256}:
             assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
@@ -373,7 +376,8 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     """O, the saved L, dQ, dK, dV against float64 with the Gluon forward, dQ and dK/dV in the path (the dQ
     kernel reads the forward's L, the dK/dV kernel the dQ kernel's delta): ragged ends, Nq != Nk, one query or
     one key, grouped K/V heads, token-major views; all three Gluon kernels must have run.  split_dv: d 256's
-    dK/dV as two launches (the dV part with its own tiles) whatever the size, as from 8192 queries."""
+    dK/dV as two launches (the dV part with its own tiles, the dK part with its long-row tiles) whatever
+    the size, as from 8192 and 65536 queries."""
     hq, hkv = heads
     if token_major:
         q = _token_major(2, hq, nq, d, dtype, seed)
@@ -386,8 +390,9 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
         patch.setenv(dkdv_hopper.ENV, "1")
-        if split_dv:
+        if split_dv:  # the two-launch plan, with the dK part's long-row tiles
             patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
+            patch.setattr(dkdv_hopper, "LONG_QUERIES", 0)
             patch.setattr(hopper, "enough_work", lambda *args: True)
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))
