@@ -93,10 +93,10 @@ def parts(head_dim: int) -> int:
 DV_TILES_256 = (64, 64, 2)
 SPLIT_MIN_QUERIES = 8192
 # ... and from LONG_QUERIES queries the dK part takes 16-row steps: K + V 64 KB and 3 x (Q + dO) 48 KB, so two
-# programs share an SM.  Measured alone (H200, causal): 7.91 vs 8.90 ms at B·H 1, N 65536, but 0.86 vs 0.59 at
-# N 16384 and 1.19 vs 0.98 at B·H 8, N 8192; sizes between 16384 and 65536 queries were not measured.
+# programs share an SM.  Measured alone (H200, causal, B·H 1): 7.91-8.02 vs 8.87-8.90 ms at N 65536 and 1.93 vs
+# 2.27 at N 32768, but 0.86 vs 0.59 at N 16384 and 1.19-1.20 vs 0.98-0.99 at B·H 8, N 8192.
 DK_TILES_LONG_256 = (64, 16, 3)
-LONG_QUERIES = 65536
+LONG_QUERIES = 32768
 
 
 @gluon.jit
