@@ -73,7 +73,11 @@ from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
 from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
 from cs336_systems.attention.kernels.flash_launch import direct
-from cs336_systems.attention.kernels.flash_replay import Recorder, hooks_idle
+from cs336_systems.attention.kernels.flash_replay import (
+    REPLAY_TRITON,
+    Recorder,
+    hooks_idle,
+)
 
 try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
     from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
@@ -100,37 +104,47 @@ def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = 
 
 
 REPLAY_ENV = "CS336_FLASH_REPLAY"
-# Every switch the launch path reads: a recorded call replays only under the switches it was recorded with.
+# Every environment variable the launch path reads (TRITON_INTERPRET: `flash_autotune.select` asks it per
+# call; TRITON_DEBUG: Triton's JIT compiles with it): a recorded call replays only under the values it was
+# recorded with.  Triton knobs set from Python after a recording (debug, instrumentation, JIT pre-run hooks)
+# are not seen by its replays; Triton's launch hooks are (`flash_replay.hooks_idle`).
 _SWITCHES = (REPLAY_ENV, launch.TMA_ENV, launch.SPLITS_ENV, launch.GROUP_SPLITS_ENV, flash_configs.SPLIT_D_ENV,
              flash_configs.FP32_DOT_ENV, flash_autotune.AUTOTUNE_ENV, flash_autotune.CACHE_ENV,
-             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD")
-# os.environ keeps its encoded items in `_data` (CPython, every platform), which os.environ's writes (and
-# pytest's monkeypatch) update: read there, the ten switches cost ~0.4 us instead of ~8 (os.environ.get).
-_ENVIRON = getattr(os.environ, "_data", None)
-_ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if _ENVIRON is not None else ()
-_OFF = os.environ.encodekey("0") if _ENVIRON is not None else "0"  # REPLAY_ENV's value that turns replays off
+             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD", "TRITON_INTERPRET", "TRITON_DEBUG")
 MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
 # Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a Gluon
 # kernel, a workspace, a descriptor).  Only validated, non-empty signatures are ever entered.
 _recorded: dict[tuple, Recorder | None] = {}
+_UNSEEN = object()
+_ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if hasattr(os.environ, "encodekey") else ()
 
 
 def _switches() -> tuple:
-    if _ENVIRON is not None:
-        return tuple(map(_ENVIRON.get, _ENCODED))
-    return tuple(os.environ.get(name) for name in _SWITCHES)  # pragma: no cover - a non-CPython os.environ
+    """The values of `_SWITCHES` (str or bytes, None where unset).  os.environ keeps its encoded items in
+    `_data` (CPython, every platform), which its writes (and pytest's monkeypatch) update: read there, the
+    switches cost ~0.4 us instead of ~8 through os.environ.get."""
+    data = getattr(os.environ, "_data", None)
+    if data is not None:
+        return tuple(map(data.get, _ENCODED))
+    return tuple(os.environ.get(name) for name in _SWITCHES)  # pragma: no cover - an os.environ stand-in
+
+
+def _replays_off(value) -> bool:
+    """Whether REPLAY_ENV's value (as `_switches` reads it) is "0"."""
+    return value == "0" or value == b"0"
 
 
 def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
     """The signature under which an eager call's launches are recorded and replayed (`flash_replay`), or None
-    where calls are never replayed: not a CUDA tensor, the interpreter, Triton launch hooks installed, or
-    ``CS336_FLASH_REPLAY=0``.  Everything the launch path decides from is in it: each tensor's shape, strides,
+    where calls are never replayed: not a plain CUDA tensor, the interpreter, a Triton release whose launcher
+    `flash_replay` was not checked against, Triton launch hooks installed, or ``CS336_FLASH_REPLAY=0``.  Everything the launch path decides from is in it: each tensor's shape, strides,
     dtype and device, the inputs' 16-byte alignment and which of them share an address, ``is_causal``, the
     current device, the launch switches and the autotune memo's generation."""
-    if KERNELS_INTERPRETED or not tensors[0].is_cuda or (is_causal is not True and is_causal is not False):
-        return None
+    if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
+            or any(type(t) is not torch.Tensor for t in tensors) or not tensors[0].is_cuda):
+        return None  # (not a plain tensor: the ordinary path, whose validation names it)
     switches = _switches()
-    if switches[0] == _OFF or not hooks_idle():
+    if _replays_off(switches[0]) or not hooks_idle():
         return None
     ptrs = [t.data_ptr() for t in tensors]
     return (kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches,
@@ -138,9 +152,14 @@ def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -
             tuple(p % 16 == 0 for p in ptrs), tuple(ptrs.index(p) for p in ptrs))
 
 
-def _replayed(key: tuple | None, slots: tuple[torch.Tensor, ...]) -> bool:
-    """Launch the calls recorded under ``key`` on ``slots``; False where there is nothing to replay."""
-    recorder = _recorded.get(key) if key is not None else None
+def _replayed(key: tuple | None, slots: tuple[torch.Tensor, ...]) -> bool | None:
+    """Launch the calls recorded under ``key`` on ``slots``: True if replayed; None if ``key`` is new (the
+    caller records this call); False otherwise (no key, or a signature that launches the ordinary way)."""
+    if key is None:
+        return False
+    recorder = _recorded.get(key, _UNSEEN)
+    if recorder is _UNSEEN:
+        return None
     if recorder is None:
         return False
     # the current device's current stream, where Triton's JIT launched the recorded call (key[2]: that device)
@@ -166,16 +185,18 @@ def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma:
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     slots = (q, k, v, o, lse)
-    if _replayed(key, slots):
+    replayed = _replayed(key, slots)
+    if replayed:
         return o, lse
+    record = replayed is None  # a new signature: record it (once; a refused one is not tried again)
     recorder = None
     if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
         hopper.forward(q, k, v, o, lse, is_causal)  # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
     else:
         cfg = _select(q, k, is_causal, may_tune)
-        recorder = Recorder(slots) if key is not None else None
+        recorder = Recorder(slots) if record else None
         launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
-    if key is not None:
+    if record:
         _remember(key, recorder)
     return o, lse
 
@@ -185,10 +206,12 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
-    if _replayed(key, slots):
+    replayed = _replayed(key, slots)
+    if replayed:
         return dq, dk, dv
+    record = replayed is None
     cfg = _select(q, k, is_causal)
-    recorder = Recorder(slots) if key is not None else None
+    recorder = Recorder(slots) if record else None
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
@@ -202,7 +225,7 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
         recorder = None
     else:
         launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], recorder or wrap)
-    if key is not None:
+    if record:
         _remember(key, recorder)
     return dq, dk, dv
 

@@ -93,6 +93,14 @@ def test_recorder_refuses_launches_it_cannot_replay(case):
     assert not recorder.ok and recorder.why and not recorder.launches
 
 
+def test_kernels_with_jit_pre_run_hooks_are_not_recorded():
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    kernel.pre_run_hooks = [lambda *args, **kwargs: None]
+    recorder(kernel)[(1,)](x, y, 32, 8, 1.0)
+    assert not recorder.ok and "pre-run hooks" in recorder.why
+
+
 def test_launch_hooks_keep_calls_on_the_ordinary_path(monkeypatch):
     class Chain:
         def __init__(self, calls):
@@ -122,7 +130,7 @@ def test_switches_follow_the_environment(monkeypatch):
     values = {name: value for name, value in zip(flash_triton._SWITCHES, switches) if value is not None}
     assert {name: (v.decode() if isinstance(v, bytes) else v) for name, v in values.items()} == {
         "CS336_FLASH_TMA": "0", REPLAY_ENV: "0"}
-    assert switches[0] == flash_triton._OFF
+    assert flash_triton._replays_off(switches[0])
 
 
 def test_every_switch_the_launch_path_reads_is_in_the_signature():
@@ -133,7 +141,7 @@ def test_every_switch_the_launch_path_reads_is_in_the_signature():
     read = set()
     for path in [root / "flash_triton.py", *sorted((root / "kernels").glob("*.py"))]:
         read |= set(re.findall(r'"(CS336_FLASH_[A-Z0-9_]+)"', path.read_text()))
-    assert read == set(flash_triton._SWITCHES)
+    assert read | {"TRITON_INTERPRET", "TRITON_DEBUG"} == set(flash_triton._SWITCHES)
 
 
 def test_recorded_table_keeps_no_tensors_and_starts_over_when_full(monkeypatch):
@@ -154,9 +162,10 @@ def test_recorded_table_keeps_no_tensors_and_starts_over_when_full(monkeypatch):
     assert flash_triton._recorded == {("d",): None}
 
 
-def test_interpreted_or_cpu_calls_are_never_recorded():
+def test_interpreted_cpu_or_other_calls_are_never_recorded():
     q = torch.zeros(1, 1, 4, 16)
     assert flash_triton._replay_key("fwd", True, (q, q, q)) is None
+    assert flash_triton._replay_key("fwd", True, (q, [1.0], q)) is None  # no AttributeError: validation names it
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,8 +210,9 @@ def _token_major(batch, heads, n, d, dtype, seed):
 @example(heads=(32, 32), nq=512, nk=512, d=80, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=1)
 def test_gpu_replayed_calls_match_the_ordinary_path_bit_for_bit(heads, nq, nk, d, is_causal, dtype, token_major,
                                                               seed):
-    """The first call of a signature records its launches and the second replays them: both give exactly
-    the ordinary path's O, dQ, dK and dV (that path is checked against float64 elsewhere)."""
+    """The first call of a signature records its launches and the next ones replay them: all give exactly
+    the ordinary path's O, dQ, dK and dV (that path is checked against float64 elsewhere), and every
+    recorded signature (forward, backward) is replayed by the next call."""
     hq, hkv = heads
     if token_major:
         q, k, v = (_token_major(2, h, n, d, dtype, seed + i) for i, (h, n) in enumerate(((hq, nq), (hkv, nk), (hkv, nk))))
@@ -213,9 +223,54 @@ def test_gpu_replayed_calls_match_the_ordinary_path_bit_for_bit(heads, nq, nk, d
     with pytest.MonkeyPatch.context() as patch:
         expected = _ordinary(patch, q, k, v, is_causal, grad_out)
         patch.delenv(REPLAY_ENV, raising=False)
-        for _ in range(2):
+        patch.setattr(flash_triton, "_recorded", {})
+        count = _replays(patch)
+        for call in range(3):
             for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
                 assert torch.equal(got, want)
+            replayable = sum(plan is not None for plan in flash_triton._recorded.values())
+            assert len(count) == call * replayable, (call, len(count), flash_triton._recorded)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["3-d", "5-d", "2-d", "strided d"])
+def test_gpu_other_ranks_and_layouts_replay_like_the_ordinary_path(layout):
+    """(BH, N, d), (B, G, H, N, d) and (N, d) inputs, and a q whose last dim is strided (copied before the
+    kernels): the replayed calls against the ordinary path, bit for bit, with the gradients in the inputs'
+    shapes."""
+    g = torch.Generator("cuda").manual_seed(5)
+    shape = {"3-d": (24, 300, 64), "5-d": (2, 3, 4, 300, 64), "2-d": (300, 64), "strided d": (2, 4, 300, 64)}[layout]
+    q, k, v = (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if layout == "strided d":
+        q = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, device="cuda", dtype=torch.bfloat16)[..., ::2]
+    grad_out = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        expected = _ordinary(patch, q, k, v, True, grad_out)
+        patch.delenv(REPLAY_ENV, raising=False)
+        patch.setattr(flash_triton, "_recorded", {})
+        count = _replays(patch)
+        for _ in range(3):
+            got = _outputs(q, k, v, True, grad_out)
+            assert [t.shape for t in got] == [q.shape, q.shape, k.shape, v.shape]
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert count and len(count) % 2 == 0  # the second and third calls replayed the same plans
+
+
+@pytest.mark.gpu
+def test_gpu_a_signature_that_cannot_be_replayed_is_recorded_once(monkeypatch):
+    """Forced key splits need a workspace, which a recording refuses: the signature then launches the
+    ordinary way from its second call on, without being recorded again."""
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    monkeypatch.setenv("CS336_FLASH_SPLITS", "2")
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    made = []
+    real_init = Recorder.__init__
+    monkeypatch.setattr(Recorder, "__init__", lambda self, slots: made.append(1) or real_init(self, slots))
+    q, k, v = (_token_major(1, 2, 700, 64, torch.float16, i) for i in range(3))
+    with torch.no_grad():
+        for _ in range(4):
+            FlashAttentionTriton.apply(q, k, v, True)
+    assert len(made) == 1 and list(flash_triton._recorded.values()) == [None]
 
 
 @pytest.mark.gpu
@@ -243,6 +298,7 @@ def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
     matches the ordinary path."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
     monkeypatch.delenv("CS336_FLASH_SPLITS", raising=False)
+    monkeypatch.setenv("CS336_FLASH_TMA", "0")  # pointer loads whatever the table says: every call recordable
     monkeypatch.setattr(flash_triton, "_recorded", {})
     g = torch.Generator("cuda").manual_seed(3)
     shape = (2, 16, 257, 64)  # enough programs that the forward splits no keys by default

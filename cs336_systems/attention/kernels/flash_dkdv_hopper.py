@@ -73,7 +73,8 @@ def tiles(head_dim: int) -> tuple[int, int, int]:
     holds S^T, dP^T, dK and dV in registers with too little room left).  Shared memory at d 128:
     K + V 32 KB and 4 x (Q + dO) 64 KB.  d 256 (two parts, one accumulator each): 64 x 32 with 3 stages,
     K + V 64 KB and 3 x (Q + dO) 96 KB; against 2 stages and 16-row steps (2 to 4 stages) it measured
-    fastest at N 2048-16384 and within 4% of the best at N 65536."""
+    fastest at N 2048-16384 and within 4% of the best at N 65536 (both parts in one launch; in two launches
+    the dK part takes DK_TILES_LONG_256 from LONG_QUERIES queries)."""
     if head_dim <= 64:
         return (64, 64, 3)
     return (64, 32, 4) if head_dim <= 128 else (64, 32, 3)

@@ -4,7 +4,8 @@ Every tensor is (Z, H, N, d) with any strides on Z, H and N and unit stride on d
 as z * stride_z + h * stride_h, so a head-major view of a token-major (Z, N, H, d) tensor runs without a
 copy), or (BH, N, d), taken as Z = 1; L and D are (Z * H, Nq) float32, contiguous.  Grouped-query
 attention: K and V (and dK, dV) may have H / group heads, group = H // H_kv query heads per K/V head.  `wrap` is
-applied to each kernel before launching it: the identity, or the autotuner's compile-only stand-in.
+applied to each kernel before launching it: the identity, the autotuner's compile-only stand-in,
+`torch.library.wrap_triton`, or a `flash_replay.Recorder` (an eager call's first launch of its signature).
 
 On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
 descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's

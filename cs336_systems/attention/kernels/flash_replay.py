@@ -17,11 +17,16 @@ and hand the recorded arguments, with the new tensors in their slots, to each co
 A recording is refused (`Recorder.ok` False; the call keeps the ordinary path) when a launch takes an
 argument it cannot replay: a tensor that is none of the slots (a workspace allocated inside the launcher,
 e.g. the key-split partials), a TMA descriptor (built per call around the tensor's address), a grid given
-as a function, or a kernel still compiling.  Replays also keep Triton's launch hooks (profilers) on the
-ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its integer arguments (equal to 1,
-divisible by 16) and on the 16-byte alignment of its pointers; the integers are part of the signature, the
-inputs' alignment is part of the key (`aligned`), and the outputs come from PyTorch's allocator, which
-aligns every block to at least 512 bytes.
+as a function, a kernel with JIT pre-run hooks, or a kernel still compiling.  Replays also keep Triton's
+launch hooks (profilers) on the ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its
+integer arguments (equal to 1, divisible by 16) and on the 16-byte alignment of its pointers; the integers
+are part of the signature, the inputs' alignment is part of the caller's key, and the outputs come from
+PyTorch's allocator, which aligns every block to at least 512 bytes.
+
+A replay calls the compiled kernel's launcher as Triton's JIT does (`JITFunction.run`: grid, stream,
+function, packed metadata, launch metadata, the two launch hooks, then every argument, constexprs
+included), which is Triton's internal interface: `REPLAY_TRITON` lists the releases it was checked against
+(3.6 on the GPU, 3.9 by reading its source); on others, calls launch the ordinary way.
 """
 
 from __future__ import annotations
@@ -34,20 +39,18 @@ try:  # Triton >= 3.3 keeps the launch hooks in knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _knobs = None
 
+REPLAY_TRITON = triton.__version__.startswith(("3.6.", "3.9."))
+
 
 def hooks_idle() -> bool:
-    """Whether no Triton launch hook is installed (then a launch passes no launch metadata)."""
+    """Whether no Triton launch hook is installed (none, or empty hook chains): a replay then passes None for
+    the launch metadata and both hooks, which the launcher skips, as it does the JIT's empty chains."""
     runtime = getattr(_knobs, "runtime", None)
     for name in ("launch_enter_hook", "launch_exit_hook"):
         hook = getattr(runtime, name, None)
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
-
-
-def aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
-    """The 16-byte alignment of each tensor's address (Triton specializes pointer arguments on it)."""
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _name(kernel) -> str:
@@ -101,6 +104,9 @@ class Recorder:
             return
         if hasattr(compiled, "result"):
             self.refuse("the kernel was still compiling")
+            return
+        if getattr(kernel, "pre_run_hooks", None):
+            self.refuse(f"{_name(kernel)} has JIT pre-run hooks")
             return
         if callable(grid) or not all(isinstance(g, int) for g in grid) or not 1 <= len(grid) <= 3:
             self.refuse(f"grid {grid!r} is not 1-3 integers")
