@@ -141,15 +141,21 @@ def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -
     dtype and device, the inputs' 16-byte alignment and which of them share an address, ``is_causal``, the
     current device, the launch switches and the autotune memo's generation."""
     if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
-            or any(type(t) is not torch.Tensor for t in tensors) or not tensors[0].is_cuda):
-        return None  # (not a plain tensor: the ordinary path, whose validation names it)
+            or type(tensors[0]) is not torch.Tensor or not tensors[0].is_cuda):
+        return None  # (before asking CUDA for its current device: a CPU call gets validation's ValueError)
     switches = _switches()
     if _replays_off(switches[0]) or not hooks_idle():
         return None
-    ptrs = [t.data_ptr() for t in tensors]
-    return (kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches,
-            tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
-            tuple(p % 16 == 0 for p in ptrs), tuple(ptrs.index(p) for p in ptrs))
+    key = [kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches]
+    ptrs = []
+    for t in tensors:  # a plain loop over one flat list: half the time of per-field tuples (~2 us a call)
+        if type(t) is not torch.Tensor or not t.is_cuda:
+            return None  # (not a plain CUDA tensor: the ordinary path, whose validation names a bad input)
+        p = t.data_ptr()
+        # shape, strides, dtype, device, 16-byte alignment, and the first input at the same address
+        key += (t.shape, t.stride(), t.dtype, t.device, p % 16 == 0, ptrs.index(p) if p in ptrs else len(ptrs))
+        ptrs.append(p)
+    return tuple(key)
 
 
 def _replayed(key: tuple | None, slots: tuple[torch.Tensor, ...]) -> bool | None:
