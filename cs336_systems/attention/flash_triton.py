@@ -137,9 +137,10 @@ def _replays_off(value) -> bool:
 def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
     """The signature under which an eager call's launches are recorded and replayed (`flash_replay`), or None
     where calls are never replayed: not a plain CUDA tensor, the interpreter, a Triton release whose launcher
-    `flash_replay` was not checked against, Triton launch hooks installed, or ``CS336_FLASH_REPLAY=0``.  Everything the launch path decides from is in it: each tensor's shape, strides,
-    dtype and device, the inputs' 16-byte alignment and which of them share an address, ``is_causal``, the
-    current device, the launch switches and the autotune memo's generation."""
+    `flash_replay` was not checked against, Triton launch hooks installed, or ``CS336_FLASH_REPLAY=0``.
+    Everything the launch path decides from is in it: each tensor's shape, strides, dtype and device, the
+    inputs' 16-byte alignment and which of them share an address, ``is_causal``, the current device, the
+    launch switches and the autotune memo's generation."""
     if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
             or type(tensors[0]) is not torch.Tensor or not tensors[0].is_cuda):
         return None  # (before asking CUDA for its current device: a CPU call gets validation's ValueError)
