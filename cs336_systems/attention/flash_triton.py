@@ -384,7 +384,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         # An eager call whose signature was seen before skips validation: it passed when it was recorded.
         eager = _eager(q)
         key = _replay_key("fwd", is_causal, (q, k, v)) if eager else None
-        empty = False if key in _recorded else _validate(q, k, v, is_causal)
+        empty = False if key is not None and key in _recorded else _validate(q, k, v, is_causal)
         ctx.empty, ctx.is_causal, ctx.key = empty, is_causal, key
         if empty:  # no queries or an empty batch: an empty output, no launch
             o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)

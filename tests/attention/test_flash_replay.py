@@ -334,3 +334,19 @@ def test_gpu_recorded_signatures_still_refuse_bad_calls():
     o = FlashAttentionTriton.apply(q, k, v, True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+
+
+def test_compiled_calls_do_not_guard_on_the_recorded_table(monkeypatch):
+    """A traced call never reads the table of recorded signatures, so eager calls that add to it later do
+    not make torch.compile recompile (a guard on the table would, and past the cache limit fall back to
+    eager)."""
+    from attention_reference import random_qkv as qkv
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True, backend="aot_eager")
+    q, k, v = qkv((1, 2), 40, 40, 16, torch.float32, "cpu", seed=3)
+    compiled(q, k, v, True)
+    flash_triton._recorded[("an eager signature",)] = None
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(q, k, v, True)
