@@ -28,6 +28,13 @@ def reference(q, k, v, is_causal):
     return torch.einsum("...qk,...kd->...qd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
 
 
+def token_major_view(batch, heads, n, d, dtype, seed, device="cuda"):
+    """A (B, H, N, d) head-major view of token-major (B, N, H, d) memory, as the model passes q, k, v: a leaf
+    that requires grad, standard normal drawn in float32 from a seeded generator, then cast."""
+    g = torch.Generator(device).manual_seed(seed)
+    return torch.randn(batch, n, heads, d, generator=g, device=device).to(dtype).transpose(1, 2).requires_grad_()
+
+
 def random_qkv(lead, nq, nk, d, dtype, device, seed):
     g = torch.Generator(device).manual_seed(seed)
     return [torch.randn(*lead, n, d, generator=g, device=device).to(dtype).requires_grad_() for n in (nq, nk, nk)]

@@ -6,7 +6,7 @@ and the dispatch; the GPU tests run on Hopper and skip elsewhere with the reason
 
 import pytest
 import torch
-from attention_reference import assert_flash_accuracy, random_qkv
+from attention_reference import assert_flash_accuracy, random_qkv, token_major_view
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -340,11 +340,6 @@ ON_HOPPER = pytest.mark.skipif(
     reason=f"the Gluon forward runs on compute capability 9.x with Triton {hopper.TRITON_VERSIONS}")
 
 
-def _token_major(batch, heads, n, d, dtype, seed):
-    g = torch.Generator("cuda").manual_seed(seed)
-    return torch.randn(batch, n, heads, d, generator=g, device="cuda").to(dtype).transpose(1, 2).requires_grad_()
-
-
 @pytest.mark.gpu
 @ON_HOPPER
 @settings(max_examples=40, deadline=None)
@@ -380,8 +375,8 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     the size, as from 8192 and 32768 queries (the latter for odd seeds)."""
     hq, hkv = heads
     if token_major:
-        q = _token_major(2, hq, nq, d, dtype, seed)
-        k, v = _token_major(2, hkv, nk, d, dtype, seed + 1), _token_major(2, hkv, nk, d, dtype, seed + 2)
+        q = token_major_view(2, hq, nq, d, dtype, seed)
+        k, v = token_major_view(2, hkv, nk, d, dtype, seed + 1), token_major_view(2, hkv, nk, d, dtype, seed + 2)
     else:
         q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
         _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from attention_reference import random_qkv
+from attention_reference import random_qkv, token_major_view
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -193,9 +193,21 @@ def _replays(monkeypatch):
     return count
 
 
-def _token_major(batch, heads, n, d, dtype, seed):
-    g = torch.Generator("cuda").manual_seed(seed)
-    return torch.randn(batch, n, heads, d, generator=g, device="cuda", dtype=dtype).transpose(1, 2)
+def _assert_replays_match_the_ordinary_path(q, k, v, is_causal, grad_out, calls=3):
+    """Run the call with replays off, then ``calls`` times from an empty table: each result equals the
+    ordinary path's bit for bit, and each call after the first replays every signature the first recorded.
+    Returns the ordinary results and the number of replays."""
+    with pytest.MonkeyPatch.context() as patch:
+        expected = _ordinary(patch, q, k, v, is_causal, grad_out)
+        patch.delenv(REPLAY_ENV, raising=False)
+        patch.setattr(flash_triton, "_recorded", {})
+        count = _replays(patch)
+        for call in range(calls):
+            for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
+                assert torch.equal(got, want)
+            replayable = sum(plan is not None for plan in flash_triton._recorded.values())
+            assert len(count) == call * replayable, (call, len(count), flash_triton._recorded)
+    return expected, len(count)
 
 
 @pytest.mark.gpu
@@ -215,21 +227,11 @@ def test_gpu_replayed_calls_match_the_ordinary_path_bit_for_bit(heads, nq, nk, d
     recorded signature (forward, backward) is replayed by the next call."""
     hq, hkv = heads
     if token_major:
-        q, k, v = (_token_major(2, h, n, d, dtype, seed + i) for i, (h, n) in enumerate(((hq, nq), (hkv, nk), (hkv, nk))))
+        q, k, v = (token_major_view(2, h, n, d, dtype, seed + i) for i, (h, n) in enumerate(((hq, nq), (hkv, nk), (hkv, nk))))
     else:
         q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
         _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
-    grad_out = torch.randn_like(q)
-    with pytest.MonkeyPatch.context() as patch:
-        expected = _ordinary(patch, q, k, v, is_causal, grad_out)
-        patch.delenv(REPLAY_ENV, raising=False)
-        patch.setattr(flash_triton, "_recorded", {})
-        count = _replays(patch)
-        for call in range(3):
-            for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
-                assert torch.equal(got, want)
-            replayable = sum(plan is not None for plan in flash_triton._recorded.values())
-            assert len(count) == call * replayable, (call, len(count), flash_triton._recorded)
+    _assert_replays_match_the_ordinary_path(q, k, v, is_causal, torch.randn_like(q))
 
 
 @pytest.mark.gpu
@@ -244,16 +246,9 @@ def test_gpu_other_ranks_and_layouts_replay_like_the_ordinary_path(layout):
     if layout == "strided d":
         q = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, device="cuda", dtype=torch.bfloat16)[..., ::2]
     grad_out = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    with pytest.MonkeyPatch.context() as patch:
-        expected = _ordinary(patch, q, k, v, True, grad_out)
-        patch.delenv(REPLAY_ENV, raising=False)
-        patch.setattr(flash_triton, "_recorded", {})
-        count = _replays(patch)
-        for _ in range(3):
-            got = _outputs(q, k, v, True, grad_out)
-            assert [t.shape for t in got] == [q.shape, q.shape, k.shape, v.shape]
-            assert all(torch.equal(a, b) for a, b in zip(got, expected))
-        assert count and len(count) % 2 == 0  # the second and third calls replayed the same plans
+    expected, replays = _assert_replays_match_the_ordinary_path(q, k, v, True, grad_out)
+    assert [t.shape for t in expected] == [q.shape, q.shape, k.shape, v.shape]
+    assert replays and replays % 2 == 0  # the second and third calls replayed the same plans
 
 
 @pytest.mark.gpu
@@ -266,7 +261,7 @@ def test_gpu_a_signature_that_cannot_be_replayed_is_recorded_once(monkeypatch):
     made = []
     real_init = Recorder.__init__
     monkeypatch.setattr(Recorder, "__init__", lambda self, slots: made.append(1) or real_init(self, slots))
-    q, k, v = (_token_major(1, 2, 700, 64, torch.float16, i) for i in range(3))
+    q, k, v = (token_major_view(1, 2, 700, 64, torch.float16, i) for i in range(3))
     with torch.no_grad():
         for _ in range(4):
             FlashAttentionTriton.apply(q, k, v, True)
@@ -279,7 +274,7 @@ def test_gpu_model_shapes_replay_every_launch(monkeypatch):
     from the second call on: one forward launch, then dQ and dK/dV."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
     for heads, d in ((25, 64), (32, 80)):
-        q, k, v = (_token_major(4, heads, 512, d, torch.bfloat16, i) for i in range(3))
+        q, k, v = (token_major_view(4, heads, 512, d, torch.bfloat16, i) for i in range(3))
         grad_out = torch.randn_like(q)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(flash_triton, "_recorded", {})
@@ -326,7 +321,7 @@ def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
 def test_gpu_recorded_signatures_still_refuse_bad_calls():
     """A signature seen before skips validation only for the same valid call: ``is_causal`` that is no
     bool, and double backward, are still refused."""
-    q, k, v = (_token_major(2, 4, 64, 32, torch.bfloat16, i).requires_grad_() for i in range(3))
+    q, k, v = (token_major_view(2, 4, 64, 32, torch.bfloat16, i) for i in range(3))
     for _ in range(2):
         FlashAttentionTriton.apply(q, k, v, True).sum().backward()
     with pytest.raises(ValueError, match="is_causal must be a bool"):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from attention_reference import assert_flash_accuracy, random_qkv, reference
+from attention_reference import assert_flash_accuracy, random_qkv, reference, token_major_view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -677,12 +677,6 @@ def test_compiled_fullgraph_traces_the_registered_ops(is_causal):
         torch.testing.assert_close(a, t.grad, rtol=0, atol=0)
 
 
-def _token_major(batch, heads, n, d, dtype, seed, device=DEVICE):
-    """A (B, H, N, d) head-major view of a token-major (B, N, H, d) tensor, as the model passes q, k, v."""
-    g = torch.Generator(device).manual_seed(seed)
-    return torch.randn(batch, n, heads, d, generator=g, device=device).to(dtype).transpose(1, 2).requires_grad_()
-
-
 @settings(max_examples=10, deadline=None)
 @given(
     heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
@@ -698,8 +692,8 @@ def test_token_major_views_match_float64_reference_in_place(heads, batch, nq, nk
     """Strided (B, H, N, d) views (head stride d, token stride H * d), grouped-query heads too: read in place,
     O and the gradients come back in the inputs' own layout (no copy to a contiguous (BH, N, d) on the way)."""
     hq, hkv = heads
-    q = _token_major(batch, hq, nq, d, dtype, seed)
-    k, v = _token_major(batch, hkv, nk, d, dtype, seed + 1), _token_major(batch, hkv, nk, d, dtype, seed + 2)
+    q = token_major_view(batch, hq, nq, d, dtype, seed, DEVICE)
+    k, v = token_major_view(batch, hkv, nk, d, dtype, seed + 1, DEVICE), token_major_view(batch, hkv, nk, d, dtype, seed + 2, DEVICE)
     assert_flash_accuracy(_apply, q, k, v, is_causal)
     o = _apply(q, k, v, is_causal)
     grad_out = torch.randn(batch, nq, hq, d, device=DEVICE, dtype=dtype).transpose(1, 2)  # token-major too
@@ -712,8 +706,8 @@ def test_token_major_views_match_float64_reference_in_place(heads, batch, nq, nk
 def test_gpu_token_major_views_at_model_shapes(heads, kv_heads, d):
     """The models' layout at context 512 (B 4): head-major views of token-major bf16 q, k, v, and a
     token-major output gradient, against float64; O and the gradients keep the layout."""
-    q = _token_major(4, heads, 512, d, torch.bfloat16, 11, "cuda")
-    k, v = (_token_major(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (12, 13))
+    q = token_major_view(4, heads, 512, d, torch.bfloat16, 11, "cuda")
+    k, v = (token_major_view(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (12, 13))
     assert_flash_accuracy(_apply, q, k, v, True)
     o = _apply(q, k, v, True)
     grads = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
@@ -744,8 +738,8 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    q = _token_major(4, heads, 512, d, torch.bfloat16, 21, "cuda")
-    k, v = (_token_major(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (22, 23))
+    q = token_major_view(4, heads, 512, d, torch.bfloat16, 21, "cuda")
+    k, v = (token_major_view(4, kv_heads, 512, d, torch.bfloat16, seed, "cuda") for seed in (22, 23))
     grad_out = torch.randn(4, 512, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
     def step(q, k, v):
@@ -782,8 +776,8 @@ def test_token_major_inputs_reach_the_kernels_without_copies(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(flash_launch, name, spy)
-    q = _token_major(2, 4, 40, 16, torch.float32, 1)
-    k, v = _token_major(2, 2, 40, 16, torch.float32, 2), _token_major(2, 2, 40, 16, torch.float32, 3)
+    q = token_major_view(2, 4, 40, 16, torch.float32, 1, DEVICE)
+    k, v = token_major_view(2, 2, 40, 16, torch.float32, 2, DEVICE), token_major_view(2, 2, 40, 16, torch.float32, 3, DEVICE)
     grad_out = torch.randn(2, 40, 4, 16).transpose(1, 2)
     o = _apply(q, k, v, True)
     torch.autograd.grad(o, (q, k, v), grad_out)
