@@ -170,6 +170,15 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     assert plan(1, 8192, 256) == [(dkdv_hopper.tiles(256), 3)]  # long rows, but 128 key blocks: fewer than SMs
 
 
+def test_dq_tiles_by_head_dim_and_length():
+    """dQ at d 256 takes 64-key steps with two stages from LONG_QUERIES queries, 32-key steps with three below;
+    the 64- and 128-wide tiles one choice at every length."""
+    long = dq_hopper.LONG_QUERIES
+    assert dq_hopper.tiles(256, long) == dq_hopper.TILES_LONG_256 == (64, 64, 2)
+    assert dq_hopper.tiles(256, long - 1) == dq_hopper.tiles(256) == (64, 32, 3)
+    assert dq_hopper.tiles(128, long) == dq_hopper.tiles(64, 1) == (64, 64, 3)
+
+
 def test_tiles_fit_shared_memory_at_every_head_dim():
     """Each kernel's bf16 tiles, at the tile width of each head dim, within the 227 KB an sm_90 program may
     use: Q + NUM_STAGES x (K + V) (forward), K + V + stages x (Q + dO) (dK/dV), Q + dO + stages x (K + V) (dQ)."""
@@ -182,8 +191,8 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
             assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        block_m, block_n, stages = dq_hopper.tiles(w)
-        assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
+        for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, dq_hopper.LONG_QUERIES)}:
+            assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
 
 
 def test_head_dims_below_a_power_of_two_take_wider_tma_boxes():
@@ -372,7 +381,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     kernel reads the forward's L, the dK/dV kernel the dQ kernel's delta): ragged ends, Nq != Nk, one query or
     one key, grouped K/V heads, token-major views; all three Gluon kernels must have run.  split_dv: d 256's
     dK/dV as two launches (the dV part with its own tiles, the dK part with its long-row tiles) whatever
-    the size, as from 8192 and 32768 queries (the latter for odd seeds)."""
+    the size, as from 8192 and 32768 queries (the latter for odd seeds, which also take dQ's long-row tiles)."""
     hq, hkv = heads
     if token_major:
         q = token_major_view(2, hq, nq, d, dtype, seed)
@@ -388,6 +397,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         if split_dv:  # the two-launch plan; odd seeds with the dK part's long-row tiles
             patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
             patch.setattr(dkdv_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)
+            patch.setattr(dq_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)  # and dQ's long-row tiles
             patch.setattr(hopper, "enough_work", lambda *args: True)
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))

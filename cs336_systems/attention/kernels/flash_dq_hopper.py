@@ -55,11 +55,20 @@ DEFAULT_HEAD_DIMS = (256,)
 MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
 
 
-def tiles(head_dim: int) -> tuple[int, int, int]:
+# d 256 from LONG_QUERIES queries: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same bytes
+# in flight as three 32-key stages, in half as many steps).  Measured alone (H200, causal, B·H 1, N 65536,
+# CUDA-graph time): 5.97 vs 6.40 ms; at N 2048-16384 and B·H 8, N 8192 the 32-key tiles were faster.
+TILES_LONG_256 = (64, 64, 2)
+LONG_QUERIES = 32768
+
+
+def tiles(head_dim: int, n_queries: int = 0) -> tuple[int, int, int]:
     """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages).  64 x 32 with 3 stages measured
-    fastest at d 256 (H200, N 2048-16384; within 6% of 64 x 64 with 2 stages at N 65536); shared memory:
-    Q + dO 64 KB and 3 x (K + V) 96 KB.  d 64 and 128 take 64 x 64 with 3 stages."""
-    return (64, 32, 3) if head_dim > 128 else (64, 64, 3)
+    fastest at d 256 (H200, N 2048-16384); shared memory: Q + dO 64 KB and 3 x (K + V) 96 KB; from
+    LONG_QUERIES queries TILES_LONG_256.  d 64 and 128 take 64 x 64 with 3 stages."""
+    if head_dim <= 128:
+        return (64, 64, 3)
+    return TILES_LONG_256 if n_queries >= LONG_QUERIES else (64, 32, 3)
 
 
 @gluon.jit
@@ -174,7 +183,7 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
     width = fwd.tile_dim(d)
-    block_m, block_n, stages = tiles(width)
+    block_m, block_n, stages = tiles(width, n_q)
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     flash_dq_hopper_kernel[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
