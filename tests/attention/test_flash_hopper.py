@@ -170,13 +170,35 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     assert plan(1, 8192, 256) == [(dkdv_hopper.tiles(256), 3)]  # long rows, but 128 key blocks: fewer than SMs
 
 
-def test_dq_tiles_by_head_dim_and_length():
-    """dQ at d 256 takes 64-key steps with two stages from LONG_QUERIES queries, 32-key steps with three below;
-    the 64- and 128-wide tiles one choice at every length."""
-    long = dq_hopper.LONG_QUERIES
-    assert dq_hopper.tiles(256, long) == dq_hopper.TILES_LONG_256 == (64, 64, 2)
-    assert dq_hopper.tiles(256, long - 1) == dq_hopper.tiles(256) == (64, 32, 3)
-    assert dq_hopper.tiles(128, long) == dq_hopper.tiles(64, 1) == (64, 64, 3)
+def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
+    """dQ at d 256 takes 64-key steps with two stages from LONG_QUERIES queries or with fewer 64-row programs
+    than SMs, 32-key steps with three otherwise; the 64- and 128-wide tiles one choice everywhere."""
+    chosen = []
+    monkeypatch.setattr(dq_hopper.fwd, "descriptor", lambda t, rows: None)
+    monkeypatch.setattr(dq_hopper, "tiles", lambda width, long_rows=False, real=dq_hopper.tiles:
+                        chosen.append(real(width, long_rows)) or real(width, long_rows))
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+
+    class NoLaunch:  # kernel[grid](...) does nothing: only the tile choice is under test
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(dq_hopper, "flash_dq_hopper_kernel", NoLaunch())
+
+    def plan(bh, n, d):
+        chosen.clear()
+        q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
+        dq_hopper.dq(q, q, q, q, q, None, None, q, True)
+        return chosen[0]
+
+    long, short = dq_hopper.TILES_LONG_256, (64, 32, 3)
+    assert long == (64, 64, 2)
+    assert plan(1, dq_hopper.LONG_QUERIES, 256) == long
+    assert plan(4, 4096, 256) == short  # 256 programs: two waves
+    assert plan(8, 2048, 256) == short
+    assert plan(1, 4096, 256) == long  # 64 programs: fewer than the SMs
+    assert plan(16, 8192, 128) == plan(1, 128, 64) == (64, 64, 3)
 
 
 def test_tiles_fit_shared_memory_at_every_head_dim():
@@ -191,7 +213,7 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
             assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, dq_hopper.LONG_QUERIES)}:
+        for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, long_rows=True)}:
             assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
 
 

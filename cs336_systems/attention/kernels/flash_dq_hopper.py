@@ -55,20 +55,21 @@ DEFAULT_HEAD_DIMS = (256,)
 MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
 
 
-# d 256 from LONG_QUERIES queries: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same bytes
-# in flight as three 32-key stages, in half as many steps).  Measured alone (H200, causal, B·H 1, N 65536,
-# CUDA-graph time): 5.97 vs 6.40 ms; at N 2048-16384 and B·H 8, N 8192 the 32-key tiles were faster.
+# d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
+# bytes in flight as three 32-key stages, in half as many steps).  Measured alone (H200, causal, CUDA-graph time),
+# 64 x 32 x 3 -> 64 x 64 x 2: B·H 1: -16% (N 4096), -15% (8192), -7% (16384), -6% (32768, 65536); B·H 4, N 16384
+# -2%; B·H 8, N 8192 -1%; but +4% at B·H 4, N 4096 and +2% at B·H 8, N 2048 (two waves of 64-row programs).
 TILES_LONG_256 = (64, 64, 2)
-LONG_QUERIES = 32768
+LONG_QUERIES = 8192
 
 
-def tiles(head_dim: int, n_queries: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages).  64 x 32 with 3 stages measured
-    fastest at d 256 (H200, N 2048-16384); shared memory: Q + dO 64 KB and 3 x (K + V) 96 KB; from
-    LONG_QUERIES queries TILES_LONG_256.  d 64 and 128 take 64 x 64 with 3 stages."""
+def tiles(head_dim: int, long_rows: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages).  d 256: 64 x 32 with 3 stages (Q + dO
+    64 KB and 3 x (K + V) 96 KB), or TILES_LONG_256 for `long_rows` (`dq`: at least LONG_QUERIES queries, or
+    fewer programs than SMs).  d 64 and 128 take 64 x 64 with 3 stages."""
     if head_dim <= 128:
         return (64, 64, 3)
-    return TILES_LONG_256 if n_queries >= LONG_QUERIES else (64, 32, 3)
+    return TILES_LONG_256 if long_rows else (64, 32, 3)
 
 
 @gluon.jit
@@ -183,7 +184,8 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
     width = fwd.tile_dim(d)
-    block_m, block_n, stages = tiles(width, n_q)
+    programs = triton.cdiv(n_q, 64) * q.shape[0] * heads  # BLOCK_M is 64 in every tile choice
+    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(programs, q.device, 1))
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     flash_dq_hopper_kernel[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
