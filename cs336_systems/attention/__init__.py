@@ -196,19 +196,19 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_flash_triton_apply = None
+_flash_triton_fn = None
 
 
 def _flash_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     # Imported on first use: importing Triton is slow, and TRITON_INTERPRET must be set before the
     # @triton.jit decorators run for the CPU interpreter to take effect.  Kept after that: at the models'
     # short sequences every microsecond of an eager call's host time shows.
-    global _flash_triton_apply
-    if _flash_triton_apply is None:
-        from cs336_systems.attention.flash_triton import FlashAttentionTriton
+    global _flash_triton_fn
+    if _flash_triton_fn is None:
+        from cs336_systems.attention.flash_triton import flash_attention
 
-        _flash_triton_apply = FlashAttentionTriton.apply
-    return _flash_triton_apply(q, k, v, is_causal)
+        _flash_triton_fn = flash_attention
+    return _flash_triton_fn(q, k, v, is_causal)
 
 
 def _pinned_unsupported(name: str):

@@ -287,6 +287,23 @@ def test_gpu_model_shapes_replay_every_launch(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_calls_without_a_graph_replay_the_functions_recording(monkeypatch):
+    """The registry entry under torch.no_grad shares the Function's recordings (one signature, one table):
+    its call replays the forward the Function recorded, with the same output, and compiles with fullgraph."""
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    q, k, v = (token_major_view(4, 25, 512, 64, torch.bfloat16, i) for i in range(3))
+    with torch.no_grad():
+        expected = FlashAttentionTriton.apply(q, k, v, True)
+        count = _replays(monkeypatch)
+        assert torch.equal(flash_triton.flash_attention(q, k, v, True), expected)
+        assert len(count) == 1 and len(flash_triton._recorded) == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(flash_triton.flash_attention, fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v, True), expected)
+
+
+@pytest.mark.gpu
 def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
     """What the launch path decides from changes the signature: ``is_causal``, an input's alignment, aliased
     inputs, a switch (here forced key splits, which need a workspace and so are not recorded); every call

@@ -26,6 +26,16 @@ def _apply(q, k, v, causal):
     return FlashAttentionTriton.apply(q, k, v, causal)
 
 
+def _no_graph(q, k, v, causal):
+    """The registry's entry where no graph is recorded: it skips the autograd.Function."""
+    with torch.no_grad():
+        return flash_triton.flash_attention(q, k, v, causal)
+
+
+# Both ways into the kernels validate alike: the Function and the registry entry's no-graph path.
+ENTRIES = pytest.mark.parametrize("entry", [_apply, _no_graph], ids=["function", "no-graph"])
+
+
 # The interpreter runs every program in Python: keep B*H small so the whole file stays ~1 minute.
 @settings(max_examples=20, deadline=None)
 @given(
@@ -240,19 +250,23 @@ def test_double_backward_raises_instead_of_returning_zero_second_derivatives():
         (((1, 8, 32), (1, 8, 32), (1, 8, 32), torch.float64), r"supports float32, bfloat16, float16; got dtype torch.float64"),
     ],
 )
-def test_bad_inputs_raise_value_error(shapes_dtypes, match):
+@ENTRIES
+def test_bad_inputs_raise_value_error(shapes_dtypes, match, entry):
     *shapes, dtype = shapes_dtypes
     q, k, v = (torch.randn(s, device=DEVICE, dtype=dtype) for s in shapes)
     with pytest.raises(ValueError, match=match):
-        FlashAttentionTriton.apply(q, k, v, False)
+        entry(q, k, v, False)
 
 
-def test_integer_and_mixed_device_inputs_raise():
+@ENTRIES
+def test_integer_and_mixed_device_inputs_raise(entry):
     x = torch.randn(1, 8, 32, device=DEVICE)
     with pytest.raises(ValueError, match="q must be a floating-point tensor, got dtype torch.int64"):
-        FlashAttentionTriton.apply(torch.ones(1, 8, 32, dtype=torch.long, device=DEVICE), x, x, False)
+        entry(torch.ones(1, 8, 32, dtype=torch.long, device=DEVICE), x, x, False)
     with pytest.raises(ValueError, match="q, k, v must be on one device"):
-        FlashAttentionTriton.apply(x, x.to("meta"), x, False)
+        entry(x, x.to("meta"), x, False)
+    with pytest.raises(ValueError, match="k must be a torch.Tensor"):
+        entry(x, [1.0], x, False)
 
 
 def test_bfloat16_under_the_interpreter_is_refused():
@@ -271,11 +285,12 @@ def test_bfloat16_under_the_interpreter_is_refused():
                                attention.attention(half, half, half, is_causal=True, impl="naive"), rtol=2e-3, atol=2e-3)
 
 
+@ENTRIES
 @pytest.mark.parametrize("is_causal", ["false", "True", 0, 1, None, torch.tensor(True)])
-def test_is_causal_must_be_a_bool(is_causal):
+def test_is_causal_must_be_a_bool(is_causal, entry):
     q = torch.randn(1, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"is_causal must be a bool \(True or False\), got"):
-        FlashAttentionTriton.apply(q, q, q, is_causal)
+        entry(q, q, q, is_causal)
     with pytest.raises(ValueError, match=r"is_causal must be a bool"):
         attention.attention(q, q, q, is_causal=is_causal, impl="flash-triton")
 
@@ -299,13 +314,43 @@ def test_empty_problems_give_empty_outputs_and_zero_gradients(q_shape, kv_shape)
         assert ref.shape == q.shape
 
 
-def test_queries_without_keys_and_zero_head_dim_are_refused():
+@pytest.mark.parametrize("layout", ["3-d", "4-d token-major", "5-d", "empty batch"])
+def test_calls_that_record_no_graph_skip_the_function_with_its_output(layout, monkeypatch):
+    """The registry entry (`flash_triton.flash_attention`) under torch.no_grad, or with grad on and no input
+    requiring grad, returns the Function's output bit for bit without entering the Function; a call that
+    records a graph goes through it (and gets its backward)."""
+    if layout == "4-d token-major":
+        q, k, v = (token_major_view(2, 3, n, 32, torch.float32, seed, DEVICE) for seed, n in ((0, 37), (1, 45), (2, 45)))
+    else:
+        lead = {"3-d": (3,), "5-d": (2, 1, 2), "empty batch": (0, 2)}[layout]
+        q, k, v = random_qkv(lead, 37, 45, 32, torch.float32, DEVICE, seed=3)
+    expected = FlashAttentionTriton.apply(q, k, v, True).detach()
+    entered = []
+    real_apply = FlashAttentionTriton.apply
+    monkeypatch.setattr(FlashAttentionTriton, "apply", lambda *args: entered.append(1) or real_apply(*args))
+    fn = attention.get("flash-triton").fn
+    with torch.no_grad():
+        outs = [flash_triton.flash_attention(q, k, v, True), fn(q, k, v, is_causal=True)]
+    plain = [t.detach() for t in (q, k, v)]
+    outs.append(flash_triton.flash_attention(*plain, True))  # grad on, nothing requires grad
+    assert not entered
+    for out in outs:
+        assert out.shape == q.shape and out.grad_fn is None and not out.requires_grad
+        assert torch.equal(out, expected)
+    tracked = flash_triton.flash_attention(q, k, v, True)
+    assert entered == [1] and tracked.requires_grad
+    (dq,) = torch.autograd.grad(tracked.sum(), (q,))
+    assert dq.shape == q.shape
+
+
+@ENTRIES
+def test_queries_without_keys_and_zero_head_dim_are_refused(entry):
     q = torch.randn(2, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"flash-triton needs Nk >= 1 when there are queries"):
-        FlashAttentionTriton.apply(q, q[:, :0], q[:, :0], False)
+        entry(q, q[:, :0], q[:, :0], False)
     empty_d = torch.randn(2, 5, 0, device=DEVICE)
     with pytest.raises(ValueError, match=r"head dim d \(the last dim of q, k, v\) must be >= 1"):
-        FlashAttentionTriton.apply(empty_d, empty_d, empty_d, False)
+        entry(empty_d, empty_d, empty_d, False)
     with pytest.raises(ValueError, match=r"head dim d \(the last dim of q, k, v\) must be >= 1"):
         attention.attention(empty_d, empty_d, empty_d, impl="flash-triton")
 
