@@ -380,6 +380,14 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _other_autodiff() -> bool:
+    """Whether a derivative other than reverse-mode autograd's could be asked of this call: a forward-mode
+    dual level is open (dual tensors report requires_grad=False) or a functorch transform (vmap, grad, jvp)
+    is active.  Those calls go through the Function, which refuses them with their own errors instead of
+    returning an output without the derivative."""
+    return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """``FlashAttentionTriton.apply(q, k, v, is_causal)`` (shapes in the module docstring): the registry's
     "flash-triton" entry.
@@ -388,9 +396,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     under ``torch.no_grad()``, as in inference and the forward benchmarks) skips the autograd.Function, whose
     context and graph bookkeeping are most of what such a call costs on the host once its launches are
     replayed (about 10 us of 35 at the models' context 512); the validation, the launches and the output are
-    the Function's.  A call that records a graph, a traced call or a tensor subclass goes through the Function.
+    the Function's.  A call that records a graph, a traced call, a tensor subclass, an open forward-mode dual
+    level or a functorch transform goes through the Function.
     """
-    if (type(k) is torch.Tensor and type(v) is torch.Tensor and _eager(q)
+    if (type(k) is torch.Tensor and type(v) is torch.Tensor and _eager(q) and not _other_autodiff()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         key = _replay_key("fwd", is_causal, (q, k, v))
         # a signature seen before passed validation when it was recorded

@@ -194,10 +194,12 @@ def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
 
     long, short = dq_hopper.TILES_LONG_256, (64, 32, 3)
     assert long == (64, 64, 2)
-    assert plan(1, dq_hopper.LONG_QUERIES, 256) == long
+    assert plan(8, dq_hopper.LONG_QUERIES, 256) == long  # 1024 programs: the length alone decides
+    assert plan(8, dq_hopper.LONG_QUERIES - 64, 256) == short
     assert plan(4, 4096, 256) == short  # 256 programs: two waves
     assert plan(8, 2048, 256) == short
     assert plan(1, 4096, 256) == long  # 64 programs: fewer than the SMs
+    assert plan(2, 4160, 256) == long and plan(2, 4224, 256) == short  # 130 and 132 programs, 132 SMs
     assert plan(16, 8192, 128) == plan(1, 128, 64) == (64, 64, 3)
 
 

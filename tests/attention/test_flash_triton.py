@@ -344,6 +344,19 @@ def test_calls_that_record_no_graph_skip_the_function_with_its_output(layout, mo
 
 
 @ENTRIES
+def test_forward_mode_ad_and_functorch_transforms_are_refused_not_dropped(entry):
+    """A dual tensor reports requires_grad=False, but its call must not return an output without a tangent:
+    both ways in refuse forward-mode AD and functorch transforms with the Function's errors."""
+    import torch.autograd.forward_ad as fwad
+
+    q = torch.randn(1, 16, 16, device=DEVICE)
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="jvp function"):
+        entry(fwad.make_dual(q, torch.randn_like(q)), q, q, False)
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.vmap(lambda x: entry(x, x, x, False))(torch.randn(2, 1, 16, 16, device=DEVICE))
+
+
+@ENTRIES
 def test_queries_without_keys_and_zero_head_dim_are_refused(entry):
     q = torch.randn(2, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"flash-triton needs Nk >= 1 when there are queries"):
