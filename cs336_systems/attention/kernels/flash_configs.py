@@ -67,9 +67,9 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     96 = 32 + 64, 48 = 32 + 16, 160 = 32 + 128, 192 = 64 + 128 (88 = 32 + 64 with the last 8 columns
     masked).  Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two
     accumulators), so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one
-    80.  Not the default: on an H100 (Triton 3.6) the split kernels still hit illegal memory accesses at some
-    shapes (docs/flash-attention.md, Section 13); float32 keeps the padded tile even when opted in (its split
-    kernels faulted too).
+    80.  Not the default: on Hopper (Triton 3.6) the split kernels hit illegal memory accesses, and can return NaN
+    without an error, intermittently and more often under concurrent load (docs/flash-attention.md, Section 13);
+    float32 keeps the padded tile even when opted in (its split kernels faulted too).
     The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
     (set it before compiling).
     """
