@@ -94,6 +94,28 @@ def test_head_dim_tiles(monkeypatch):
             assert first == block_d(d), d
 
 
+def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
+    """CS336_FLASH_SPLIT_D=1 is a known-unsafe opt-in on Hopper: the first split choice in a process says so
+    (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default never warns."""
+    import warnings
+
+    from cs336_systems.attention.kernels import flash_configs
+
+    monkeypatch.setattr(flash_configs, "_split_warned", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+        flash_configs.d_tiles(80, torch.bfloat16)
+        monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
+        flash_configs.d_tiles(80, torch.float32)  # float32 keeps the padded tile: no split, no warning
+        flash_configs.d_tiles(64, torch.bfloat16)  # a power of two: no split
+        assert not seen
+        assert flash_configs.d_tiles(80, torch.bfloat16) == (64, 16)
+        flash_configs.d_tiles(96, torch.float16)
+    assert [str(w.message) for w in seen] == [flash_configs.SPLIT_D_WARNING]
+    assert seen[0].category is RuntimeWarning and "return NaN" in flash_configs.SPLIT_D_WARNING
+
+
 def test_split_head_dim_switch(monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 

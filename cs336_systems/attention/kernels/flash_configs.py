@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -71,7 +72,7 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     without an error, intermittently and more often under concurrent load (docs/flash-attention.md, Section 13);
     float32 keeps the padded tile even when opted in (its split kernels faulted too).
     The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
-    (set it before compiling).
+    (set it before compiling).  The first split choice in a process warns (RuntimeWarning, SPLIT_D_WARNING).
     """
     whole = block_d(head_dim)
     forced = os.environ.get(SPLIT_D_ENV, "")
@@ -79,7 +80,16 @@ def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
         raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
     if forced != "1" or dtype == torch.float32 or head_dim not in SPLIT_LAYOUTS:
         return whole, 0
+    global _split_warned
+    if not _split_warned:  # once a process: this runs on every call
+        _split_warned = True
+        warnings.warn(SPLIT_D_WARNING, RuntimeWarning, stacklevel=2)
     return SPLIT_LAYOUTS[head_dim]
+
+
+SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: the split head-dim tiles are experimental; on Hopper with Triton 3.6 they can "
+                   "hit illegal memory accesses or return NaN without an error (docs/flash-attention.md, Section 13)")
+_split_warned = False
 
 
 N_BUCKETS = tuple(2**i for i in range(7, 17))  # 128 ... 65536
