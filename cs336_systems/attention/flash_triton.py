@@ -388,6 +388,30 @@ def _other_autodiff() -> bool:
     return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
+def _forward_call(q, k, v, is_causal, eager: bool):
+    """One forward call, the Function's and the registry entry's: (o like q, L (q.shape[:-1]), replay key,
+    empty, inductor).  An eager call (`_eager`) whose signature was seen before skips validation (it passed
+    when it was recorded) and launches directly, replayed or recorded; a traced call takes the registered ops
+    (`_inductor_path`).  ``empty``: no queries or an empty batch, an empty output and no launch."""
+    key = _replay_key("fwd", is_causal, (q, k, v)) if eager else None
+    empty = False if key is not None and key in _recorded else _validate(q, k, v, is_causal)
+    if empty:
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), key, True, False
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    inductor = False
+    if eager:
+        o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key)
+    elif _inductor_path(q4, k4, v4, is_causal):
+        inductor = True
+        o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal)
+    else:
+        o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
+    if q.dim() != 4:
+        o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
+        lse = lse.view(q.shape[:-1])
+    return o, lse, key, False, inductor
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """``FlashAttentionTriton.apply(q, k, v, is_causal)`` (shapes in the module docstring): the registry's
     "flash-triton" entry.
@@ -396,44 +420,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     under ``torch.no_grad()``, as in inference and the forward benchmarks) skips the autograd.Function, whose
     context and graph bookkeeping are most of what such a call costs on the host once its launches are
     replayed (about 10 us of 35 at the models' context 512); the validation, the launches and the output are
-    the Function's.  A call that records a graph, a traced call, a tensor subclass, an open forward-mode dual
-    level or a functorch transform goes through the Function.
+    the Function's (`_forward_call`).  A call that records a graph, a traced call, a tensor subclass, an open
+    forward-mode dual level or a functorch transform goes through the Function.
     """
     if (type(k) is torch.Tensor and type(v) is torch.Tensor and _eager(q) and not _other_autodiff()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        key = _replay_key("fwd", is_causal, (q, k, v))
-        # a signature seen before passed validation when it was recorded
-        if (key is None or key not in _recorded) and _validate(q, k, v, is_causal):
-            return torch.empty_like(q)  # no queries or an empty batch: nothing to launch
-        o, _ = _forward(_as_4d(q), _as_4d(k), _as_4d(v), is_causal, may_tune=True, key=key)
-        return o if q.dim() == 4 else o.reshape(q.shape)
+        return _forward_call(q, k, v, is_causal, True)[0]
     return FlashAttentionTriton.apply(q, k, v, is_causal)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
-        # An eager call whose signature was seen before skips validation: it passed when it was recorded.
-        eager = _eager(q)
-        key = _replay_key("fwd", is_causal, (q, k, v)) if eager else None
-        empty = False if key is not None and key in _recorded else _validate(q, k, v, is_causal)
-        ctx.empty, ctx.is_causal, ctx.key = empty, is_causal, key
-        if empty:  # no queries or an empty batch: an empty output, no launch
-            o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, o, lse)
-            return o
-        q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        ctx.inductor = False
-        if eager:
-            o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key)
-        elif _inductor_path(q4, k4, v4, is_causal):
-            ctx.inductor = True
-            o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal)
-        else:
-            o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
-        if q.dim() != 4:
-            o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
-            lse = lse.view(q.shape[:-1])
+        o, lse, ctx.key, ctx.empty, ctx.inductor = _forward_call(q, k, v, is_causal, _eager(q))
+        ctx.is_causal = is_causal
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
