@@ -12,8 +12,9 @@ Hopper kernels below take rank-4 descriptors over strided views).
 Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv dividing Hq; query head h reads
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
-register tile with the padding columns masked, or, opted in with CS336_FLASH_SPLIT_D=1 (experimental), in two
-power-of-two tiles side by side where that saves columns (80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`).
+register tile with the padding columns masked, or in two power-of-two tiles side by side where that saves columns
+(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): the forward at d 80 and 96 by default, every kernel with
+CS336_FLASH_SPLIT_D=1 (experimental), none with CS336_FLASH_SPLIT_D=0.
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).
@@ -292,10 +293,11 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
     on this device (then the traced path keeps the custom ops, which can pass descriptors): never where
     `flash_launch.tma_enabled` says no (pre-Hopper GPUs, ``CS336_FLASH_TMA=0``).  A constant to dynamo: it
     depends only on the static shape, the device, the environment and the configuration tables."""
-    if not launch.tma_enabled(device) or d_tiles(d, dtype)[1]:  # a split head dim takes pointer loads
+    if not launch.tma_enabled(device):
         return False
     cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
-    return bool(cfg["fwd"].tma or cfg["dq"].tma)
+    # a kernel whose head dim runs split takes pointer loads
+    return any(cfg[kernel].tma and not d_tiles(d, dtype, kernel)[1] for kernel in ("fwd", "dq"))
 
 
 @torch.compiler.assume_constant_result

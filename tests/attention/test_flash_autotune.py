@@ -155,7 +155,8 @@ def test_shape_key_buckets():
 
 def test_shape_key_is_the_register_width(monkeypatch):
     """Split head dims get their own keys (the autotune cache must not mix their configurations with the padded
-    tile's); float32 and the default (no CS336_FLASH_SPLIT_D=1) run the padded tile and share its key."""
+    tile's) when every kernel is opted in; float32 and the default (whose forward alone runs split at d 80 and 96,
+    in fewer columns than the padded tile its configuration was chosen for) share the padded tile's key."""
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 80
     assert ShapeKey.of(1, 4096, 4096, 96, torch.float16, True).head_dim == 96

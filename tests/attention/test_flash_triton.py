@@ -57,16 +57,17 @@ def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
 HEAD_DIMS = [8, 16, 24, 32, 48, 64, 72, 80, 88, 96, 112, 128, 160, 192, 256]
 
 
-# The tile layout and dtype are parameters, not drawn: padded tiles in float32 and fp16 (the default), and the
-# opt-in split tiles (CS336_FLASH_SPLIT_D=1), which only 16-bit types take.
-@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.float16, ""), (torch.float16, "1")])
+# The tile layout and dtype are parameters, not drawn: float32 (padded tiles), fp16 by default (the forward split
+# at d 80 and 96), padded everywhere (CS336_FLASH_SPLIT_D=0) and split everywhere (=1, opt-in); only 16-bit types
+# take split tiles.
+@pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.float16, ""), (torch.float16, "0"),
+                                            (torch.float16, "1")])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @settings(max_examples=2, deadline=None)
 @given(nq=st.integers(1, 80), nk=st.integers(1, 80), is_causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_causal, seed):
-    """Head dims that are not a power of two run one padded tile with masked columns or (opted in) two
-    register tiles side by side (80 = 64 + 16, ...): O, dQ, dK, dV and L against float64, ragged lengths,
-    Nq != Nk."""
+    """Head dims that are not a power of two run one padded tile with masked columns or two register tiles side
+    by side (80 = 64 + 16, ...): O, dQ, dK, dV and L against float64, ragged lengths, Nq != Nk."""
     q, k, v = random_qkv((2,), nq, nk, d, dtype, DEVICE, seed)
     with pytest.MonkeyPatch.context() as patch:  # per example (a function-scoped fixture is not)
         patch.setenv("CS336_FLASH_SPLIT_D", split_d)
@@ -74,29 +75,57 @@ def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_
 
 
 def test_head_dim_tiles(monkeypatch):
-    """Opted in: the two power-of-two tiles of `SPLIT_LAYOUTS` (the narrow tile first where it is 32 wide or
-    more: the order that ran clean on an H100), else the padded one."""
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, block_d, d_tiles
+    """Opted in: every kernel takes the two power-of-two tiles of `SPLIT_LAYOUTS` (the narrow tile first where it
+    is 32 wide or more: the order that ran clean on an H100), else the padded one."""
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, KERNELS, block_d, d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (64, 0), 48: (32, 16), 56: (64, 0), 64: (64, 0),
                 72: (128, 0), 80: (64, 16), 88: (32, 64), 96: (32, 64), 104: (128, 0), 112: (128, 0),
                 128: (128, 0), 136: (256, 0), 160: (32, 128), 192: (64, 128), 200: (256, 0), 256: (256, 0)}
-    for d, tiles in expected.items():
-        assert d_tiles(d, torch.bfloat16) == d_tiles(d, torch.float16) == tiles, d
-        assert d_tiles(d, torch.float32) == (block_d(d), 0)  # float32 keeps the padded tile
-    for d in HEAD_DIMS:
-        first, second = d_tiles(d, torch.bfloat16)
-        assert first & (first - 1) == 0 and first >= 16, d
-        if second:  # both powers of two >= 16, covering d with fewer columns than the padded tile
-            assert second & (second - 1) == 0 and second >= 16 and d <= first + second < block_d(d), d
-        else:
-            assert first == block_d(d), d
+    for kernel in KERNELS:
+        for d, tiles in expected.items():
+            assert d_tiles(d, torch.bfloat16, kernel) == d_tiles(d, torch.float16, kernel) == tiles, (kernel, d)
+            assert d_tiles(d, torch.float32, kernel) == (block_d(d), 0)  # float32 keeps the padded tile
+        for d in HEAD_DIMS:
+            first, second = d_tiles(d, torch.bfloat16, kernel)
+            assert first & (first - 1) == 0 and first >= 16, d
+            if second:  # both powers of two >= 16, covering d with fewer columns than the padded tile
+                assert second & (second - 1) == 0 and second >= 16 and d <= first + second < block_d(d), d
+            else:
+                assert first == block_d(d), d
+
+
+def test_default_splits_the_forward_at_d80_and_d96_only(monkeypatch):
+    """Unset: the forward of 16-bit inputs runs split at `FORWARD_SPLIT_HEAD_DIMS` (80, 96), every other kernel,
+    head dim and dtype the padded tile; nothing warns, and the configurations stay keyed by the padded width."""
+    import warnings
+
+    from cs336_systems.attention.kernels import flash_configs
+    from cs336_systems.attention.kernels.flash_configs import (
+        FORWARD_SPLIT_HEAD_DIMS, HEAD_DIMS, SPLIT_LAYOUTS, ShapeKey, block_d, d_tiles,
+    )
+
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
+    assert FORWARD_SPLIT_HEAD_DIMS == (80, 96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for d in HEAD_DIMS:
+            for dtype in (torch.bfloat16, torch.float16):
+                want = SPLIT_LAYOUTS[d] if d in FORWARD_SPLIT_HEAD_DIMS else (block_d(d), 0)
+                assert d_tiles(d, dtype, "fwd") == want, d
+                assert d_tiles(d, dtype, "dq") == d_tiles(d, dtype, "dkdv") == (block_d(d), 0), d
+            for kernel in flash_configs.KERNELS:
+                assert d_tiles(d, torch.float32, kernel) == (block_d(d), 0), d
+    assert ShapeKey.of(4, 512, 512, 80, torch.bfloat16, True) == ShapeKey.of(4, 512, 512, 128, torch.bfloat16, True)
+    with pytest.raises(ValueError, match=r"kernel must be one of \('fwd', 'dkdv', 'dq'\), got 'bwd'"):
+        d_tiles(80, torch.bfloat16, "bwd")
 
 
 def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
     """CS336_FLASH_SPLIT_D=1 is a known-unsafe opt-in on Hopper: the first split choice in a process says so
-    (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default never warns."""
+    (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default (whose forward runs
+    split at d 80) never warns."""
     import warnings
 
     from cs336_systems.attention.kernels import flash_configs
@@ -105,13 +134,14 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
-        flash_configs.d_tiles(80, torch.bfloat16)
+        assert flash_configs.d_tiles(80, torch.bfloat16, "fwd") == (64, 16)
+        flash_configs.d_tiles(80, torch.bfloat16, "dq")
         monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
-        flash_configs.d_tiles(80, torch.float32)  # float32 keeps the padded tile: no split, no warning
-        flash_configs.d_tiles(64, torch.bfloat16)  # a power of two: no split
+        flash_configs.d_tiles(80, torch.float32, "dq")  # float32 keeps the padded tile: no split, no warning
+        flash_configs.d_tiles(64, torch.bfloat16, "dq")  # a power of two: no split
         assert not seen
-        assert flash_configs.d_tiles(80, torch.bfloat16) == (64, 16)
-        flash_configs.d_tiles(96, torch.float16)
+        assert flash_configs.d_tiles(80, torch.bfloat16, "dq") == (64, 16)
+        flash_configs.d_tiles(96, torch.float16, "dkdv")
     assert [str(w.message) for w in seen] == [flash_configs.SPLIT_D_WARNING]
     assert seen[0].category is RuntimeWarning and "return NaN" in flash_configs.SPLIT_D_WARNING
 
@@ -119,15 +149,16 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
 def test_split_head_dim_switch(monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: one padded tile
-    assert d_tiles(80, torch.bfloat16) == (128, 0) and d_tiles(192, torch.float16) == (256, 0)
-    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")
-    assert d_tiles(80, torch.bfloat16) == (128, 0) and d_tiles(192, torch.float16) == (256, 0)
-    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
-    assert d_tiles(80, torch.bfloat16) == (64, 16)
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: the forward split at d 80 and 96
+    assert d_tiles(80, torch.bfloat16, "fwd") == (64, 16) and d_tiles(80, torch.bfloat16, "dkdv") == (128, 0)
+    assert d_tiles(192, torch.float16, "fwd") == (256, 0)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")  # padded everywhere
+    assert d_tiles(80, torch.bfloat16, "fwd") == (128, 0) and d_tiles(192, torch.float16, "fwd") == (256, 0)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")  # split everywhere
+    assert d_tiles(80, torch.bfloat16, "dq") == (64, 16) and d_tiles(192, torch.float16, "fwd") == (64, 128)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "yes")
     with pytest.raises(ValueError, match="CS336_FLASH_SPLIT_D must be 0 or 1, got 'yes'"):
-        d_tiles(80, torch.bfloat16)
+        d_tiles(80, torch.bfloat16, "fwd")
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -140,7 +171,7 @@ def test_split_head_dim_matches_the_padded_tile(d, is_causal, monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import TileConfig, d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
-    assert d_tiles(d, torch.float16)[1]
+    assert d_tiles(d, torch.float16, "dq")[1]
     g = torch.Generator().manual_seed(d)
     q, k, v, do = (torch.randn(1, 2, n, d, generator=g).half() for n in (70, 90, 90, 70))
     results = {}
@@ -905,4 +936,5 @@ def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors(monke
     with pytest.raises(ValueError, match=r"tma=2 needs a head dim that runs in one register tile; d=80 runs split"):
         flash_launch.forward(q80, q80, q80, torch.empty_like(q80), torch.empty(1, 2, 64), True,
                              flash_configs.TileConfig(32, 32, 4, 1, 2), tma=2)
-    assert flash_launch._kv_descriptors(q80, q80, flash_configs.TileConfig(32, 32, 4, 1, 2), None) == (0, None, None)
+    assert flash_launch._kv_descriptors(q80, q80, flash_configs.TileConfig(32, 32, 4, 1, 2), None,
+                                        flash_configs.d_tiles(80, q80.dtype, "fwd")) == (0, None, None)

@@ -32,7 +32,7 @@ mode = {"pointers": 0, "tma": 1, "tma-band": 2}[sys.argv[2]]
 head_dim = int(sys.argv[3])
 block_d = max(16, 1 << (head_dim - 1).bit_length())
 # the launchers' register tiles: descriptors take the one padded tile, pointer loads the split ones
-tiles = (block_d, 0) if tma else d_tiles(head_dim, torch.bfloat16)
+tiles = (block_d, 0) if tma else d_tiles(head_dim, torch.bfloat16, "dq")  # opted in: every kernel the same
 consts = {"CAUSAL": causal, "HEAD_DIM": head_dim, "BLOCK_D": tiles[0], "BLOCK_D2": tiles[1], "BLOCK_M": 64, "BLOCK_N": 64,
           "PRECISION": "tf32", "LONGEST_FIRST": True, "sm_scale": 0.125, "qk_scale": 0.125 * 1.4426950408889634,
           "SPLITS": 4, "TMA": mode, "PART": int(sys.argv[4]) if len(sys.argv) > 4 else 0}

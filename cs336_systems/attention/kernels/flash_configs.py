@@ -37,8 +37,8 @@ KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
 TMA_SUFFIX = ("", "t", "b")  # TileConfig.tma 0 / 1 / 2 in the text form
 # What the kernels support: every multiple of 8 up to 256 (rows of 16 bytes or more in 16-bit dtypes, as TMA
-# and vectorized loads want).  The register tiles are `d_tiles(d, dtype)`: one `block_d(d)` wide whose padding
-# columns are masked, or (opt-in) two power-of-two tiles side by side.
+# and vectorized loads want).  The register tiles are `d_tiles(d, dtype, kernel)`: one `block_d(d)` wide whose
+# padding columns are masked, or two power-of-two tiles side by side.
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 
@@ -54,41 +54,60 @@ SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 # Two-tile layouts (BLOCK_D, BLOCK_D2): the orders that ran clean on an H100 (Triton 3.6) when each kernel was
 # compared alone with float64 under compute-sanitizer at 7 tile configurations; a 64-wide first tile with a
 # 32-wide second (d 88, 96) or a masked 16-wide one (d 72) gave wrong forward scores and out-of-bounds shared
-# memory reads in Triton's wgmma code there.  Through the public path they still faulted at edge shapes
-# (docs/flash-attention.md, Section 13): experimental.  Head dims not listed keep the padded tile.
+# memory reads in Triton's wgmma code there.  Head dims not listed keep the padded tile.
 SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (32, 128), 192: (64, 128)}
 
+# Head dims whose forward runs its split layout by default (16-bit inputs): the layouts measured faster than
+# the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an H200; d 96: 39.6
+# against 41.6) and clean under concurrent load (docs/flash-attention.md, Section 13).  The backward kernels'
+# split tiles still fault under load, so by default they keep the padded tile.
+FORWARD_SPLIT_HEAD_DIMS = (80, 96)
 
-def d_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """The kernels' head-dim register tiles (BLOCK_D, BLOCK_D2): by default the one padded tile `block_d(d)` and
-    BLOCK_D2 = 0.
 
-    With ``CS336_FLASH_SPLIT_D=1`` (opt-in, experimental), 16-bit inputs at the head dims of `SPLIT_LAYOUTS`
-    run two power-of-two tiles side by side that cover d with fewer columns than `block_d(d)`: 80 = 64 + 16,
-    96 = 32 + 64, 48 = 32 + 16, 160 = 32 + 128, 192 = 64 + 128 (88 = 32 + 64 with the last 8 columns
-    masked).  Every matmul over d becomes two (Q K^T and dO V^T sum two products; O, dQ, dK, dV are two
-    accumulators), so the padding's work is gone: a padded d = 80 tile multiplies 128 columns, the split one
-    80.  Not the default: on Hopper (Triton 3.6) the split kernels hit illegal memory accesses, and can return NaN
-    without an error, intermittently and more often under concurrent load (docs/flash-attention.md, Section 13);
-    float32 keeps the padded tile even when opted in (its split kernels faulted too).
-    The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
-    (set it before compiling).  The first split choice in a process warns (RuntimeWarning, SPLIT_D_WARNING).
-    """
-    whole = block_d(head_dim)
+def split_opted_in(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``CS336_FLASH_SPLIT_D=1`` puts every kernel of this call on its split layout (16-bit inputs at a
+    head dim of `SPLIT_LAYOUTS`): then the configurations are keyed by the split width (`ShapeKey`).  A value
+    other than unset, "0" or "1" is a ValueError."""
     forced = os.environ.get(SPLIT_D_ENV, "")
     if forced not in ("", "0", "1"):
         raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
-    if forced != "1" or dtype == torch.float32 or head_dim not in SPLIT_LAYOUTS:
-        return whole, 0
-    global _split_warned
-    if not _split_warned:  # once a process: this runs on every call
-        _split_warned = True
-        warnings.warn(SPLIT_D_WARNING, RuntimeWarning, stacklevel=2)
-    return SPLIT_LAYOUTS[head_dim]
+    return forced == "1" and dtype != torch.float32 and head_dim in SPLIT_LAYOUTS
 
 
-SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: the split head-dim tiles are experimental; on Hopper with Triton 3.6 they can "
-                   "hit illegal memory accesses or return NaN without an error (docs/flash-attention.md, Section 13)")
+def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str) -> tuple[int, int]:
+    """One kernel's head-dim register tiles (BLOCK_D, BLOCK_D2) (``kernel`` one of `KERNELS`): the one padded
+    tile `block_d(d)` and BLOCK_D2 = 0, or two power-of-two tiles side by side that cover d with fewer columns:
+    80 = 64 + 16, 96 = 32 + 64 (`SPLIT_LAYOUTS`).  Every matmul over d becomes two (Q K^T and dO V^T sum two
+    products; O, dQ, dK, dV are two accumulators), so the padding's work is gone: a padded d = 80 tile
+    multiplies 128 columns, the split one 80.
+
+    By default (``CS336_FLASH_SPLIT_D`` unset) the forward of 16-bit inputs at `FORWARD_SPLIT_HEAD_DIMS` runs
+    split and everything else padded.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
+    experimental): every kernel at every head dim of `SPLIT_LAYOUTS` runs split; on Hopper (Triton 3.6) the
+    split dQ and dK/dV kernels hit illegal memory accesses, and can return NaN without an error, under
+    concurrent load (docs/flash-attention.md, Section 13); the first such choice in a process warns
+    (RuntimeWarning, SPLIT_D_WARNING).  float32 keeps the padded tile in every case (its split kernels faulted).
+    The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
+    (set it before compiling).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    whole = block_d(head_dim)
+    if split_opted_in(head_dim, dtype):
+        global _split_warned
+        if not _split_warned:  # once a process: this runs on every call
+            _split_warned = True
+            warnings.warn(SPLIT_D_WARNING, RuntimeWarning, stacklevel=2)
+        return SPLIT_LAYOUTS[head_dim]
+    if (kernel == "fwd" and os.environ.get(SPLIT_D_ENV, "") == "" and dtype != torch.float32
+            and head_dim in FORWARD_SPLIT_HEAD_DIMS):
+        return SPLIT_LAYOUTS[head_dim]
+    return whole, 0
+
+
+SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: the split head-dim tiles of the backward kernels are experimental; on Hopper "
+                   "with Triton 3.6 they can hit illegal memory accesses or return NaN without an error "
+                   "(docs/flash-attention.md, Section 13)")
 _split_warned = False
 
 
@@ -204,12 +223,14 @@ class ShapeKey:
 
     @classmethod
     def of(cls, bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, causal: bool) -> ShapeKey:
-        """The key of a call: its head dim is the kernels' register width, the columns of `d_tiles(head_dim,
-        dtype)` (what registers and shared memory depend on): d = 80, 112 and 128 share configurations (one
-        128-wide tile); with split tiles opted in, d = 80 in 16-bit types has its own (64 + 16 columns)."""
+        """The key of a call: its head dim is the kernels' register width (what registers and shared memory
+        depend on): the padded tile's, so d = 80, 112 and 128 share configurations (one 128-wide tile; a
+        forward that runs split by default holds fewer columns, so they fit it too); with every kernel's split
+        tiles opted in (`split_opted_in`), the split width: d = 80 in 16-bit types has its own (64 + 16)."""
         n = max(n_queries, n_keys)
         cls_ = dtype_class(dtype)  # first: it names an unsupported dtype
-        return cls(sum(d_tiles(head_dim, dtype)), cls_, bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
+        width = sum(SPLIT_LAYOUTS[head_dim]) if split_opted_in(head_dim, dtype) else block_d(head_dim)
+        return cls(width, cls_, bool(causal), _bucket(n, N_BUCKETS), _bucket(bh, BH_BUCKETS))
 
     def text(self) -> str:
         return f"d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}-n{self.n_bucket}-bh{self.bh_bucket}"

@@ -27,7 +27,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention.kernels import flash_kernels as kernels
-from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, d_tiles, fp32_dot
+from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, d_tiles, fp32_dot, split_opted_in
 
 LOG2E = 1.4426950408889634
 
@@ -108,22 +108,19 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None,
-                    tiles: tuple[int, int] | None = None):
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, tma: int | None, tiles: tuple[int, int]):
     """(TMA mode, K_DESC, V_DESC) for the forward and dQ launchers.  ``tma`` None takes the configuration's
     mode where `use_tma` allows descriptors (else 0); 0 / 1 / 2 force it.  Mode 2 (the diagonal band's tiles
     through the descriptors too) falls back to 1 unless BLOCK_N divides N: a band tile crossing N would read
     the next slice's rows.  The descriptors cover the (BH * N, d) rows with (BLOCK_N, d) boxes, or are None
     in mode 0.  A head dim split over two register tiles (`d_tiles`) takes pointer loads: the descriptors'
-    boxes are one tile wide (forcing 1 or 2 there is a ValueError).  ``tiles``: the launcher's `d_tiles`, if it
-    has them already (None: computed here)."""
+    boxes are one tile wide (forcing 1 or 2 there is a ValueError).  ``tiles``: the launching kernel's `d_tiles`."""
     if tma not in (None, 0, 1, 2):
         raise ValueError(f"tma must be 0, 1, 2 or None; got {tma!r}")
-    tiles = d_tiles(k.shape[-1], k.dtype) if tiles is None else tiles
     if tiles[1]:
         if tma:
             raise ValueError(f"tma={tma} needs a head dim that runs in one register tile; d={k.shape[-1]} runs "
-                             f"split as {tiles} (CS336_FLASH_SPLIT_D=1; unset, one padded tile)")
+                             f"split as {tiles} (CS336_FLASH_SPLIT_D=0: one padded tile)")
         return 0, None, None
     if tma is None:
         tma = cfg.tma if cfg.tma and use_tma(k) and use_tma(v) else 0
@@ -159,8 +156,9 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig, split_head_dim: bo
     to about one program per SM, at most MAX_KEY_SPLITS, and chunks of at least MIN_TILES_PER_SPLIT key
     tiles.  Only on CUDA devices (the interpreter has no SMs; tests pass ``splits`` explicitly).
     ``CS336_FLASH_SPLITS=<n>`` overrides the choice (1: never split; for same-run A/B measurements).
-    ``split_head_dim`` (the head dim runs in two register tiles, `d_tiles`): 1 unless forced, since the
-    key-split kernel runs the padded tile, which a configuration chosen for the split width need not fit.
+    ``split_head_dim`` (every kernel opted in to two register tiles, `flash_configs.split_opted_in`): 1 unless
+    forced, since the key-split kernel runs the padded tile, which a configuration chosen for the split width
+    need not fit.
     """
     forced = os.environ.get(SPLITS_ENV)
     if forced:
@@ -194,9 +192,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             tma: int | None = None) -> None:
     """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
-    ``splits``: key chunks per query tile (None: `key_splits`, never for a split head dim unless forced); above
-    1 the split kernel writes float32 partials to a (splits, BH, Nq, d) workspace and the combine kernel writes
-    o and lse, both in the padded head-dim tile.
+    ``splits``: key chunks per query tile (None: `key_splits`, never with split tiles opted in unless forced);
+    above 1 the split kernel writes float32 partials to a (splits, BH, Nq, d) workspace and the combine kernel
+    writes o and lse, both in the padded head-dim tile (a forward that runs split by default then runs padded).
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
     ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
@@ -206,8 +204,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     n_queries, d = q.shape[-2:]
     heads, bh = q.shape[1], slices(q)
     group = group_size(q, k)
-    tiles = d_tiles(d, q.dtype)
-    splits = key_splits(q, k.shape[-2], cfg, split_head_dim=bool(tiles[1])) if splits is None else splits
+    tiles = d_tiles(d, q.dtype, "fwd")
+    # a forward that runs split by default has a configuration chosen for the padded width, which the key-split
+    # kernel's padded tile fits; with every kernel opted in to split tiles the configuration need not fit it
+    splits = key_splits(q, k.shape[-2], cfg, split_head_dim=split_opted_in(d, q.dtype)) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     if splits > 1 and tiles[1]:
@@ -290,7 +290,7 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: C
     else:
         dk_out, dv_out, dk_rows, dv_rows, split_strides = dk, dv, dk, dv, (0, 0)
     sm_scale = 1.0 / math.sqrt(d)
-    tiles = d_tiles(d, q.dtype)
+    tiles = d_tiles(d, q.dtype, "dkdv")
     # cfg.parts 2: a dV pass and a dK pass over the same grid, one float32 accumulator per program each
     for part in ((1, 2) if cfg.parts == 2 else (0,)):
         wrap(kernels.flash_bwd_dkdv_kernel)[(triton.cdiv(n_keys, cfg.block_n), slices(k) * splits)](
@@ -314,7 +314,7 @@ def dq(q, k, v, do, lse, delta, dq_out, causal: bool, cfg: TileConfig, wrap: Cal
     bh = slices(q)
     group = group_size(q, k)
     sm_scale = 1.0 / math.sqrt(d)
-    tiles = d_tiles(d, q.dtype)
+    tiles = d_tiles(d, q.dtype, "dq")
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     wrap(kernels.flash_bwd_dq_kernel)[(triton.cdiv(n_queries, cfg.block_m), bh)](
         q, k, v, do, lse, delta, dq_out, o, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v),
