@@ -180,7 +180,7 @@ def test_split_widths_take_the_padded_widths_tuned_entries(monkeypatch):
             chosen = flash_configs.tuned_sm90(key)
             assert chosen is not None
             assert chosen == flash_configs.tuned_sm90(ShapeKey.of(bh, n, n, padded, torch.bfloat16, True))
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D")  # by default d = 80 runs (and is keyed as) the padded tile
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D")  # by default d = 80 is keyed as the padded tile (only its forward runs split)
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True) == ShapeKey.of(1, 4096, 4096, 128, torch.bfloat16, True)
 
 
@@ -444,6 +444,31 @@ def test_tune_picks_the_fastest_correct_candidate_and_caches_it(tmp_cache):
         kernel: cfg.short() for kernel, cfg in result.chosen.items()
     }
     assert flash_autotune.cached(key, torch.device("cpu")) == result.chosen
+
+
+def test_tune_times_the_tile_its_key_names(tmp_cache, monkeypatch):
+    """At d 80 the forward runs split by default but its configuration is keyed by the padded width (shared with
+    d 112 and 128): the tuner times the padded forward there; opted in to split tiles everywhere, the key is the
+    split width and the tuner times the split forward."""
+    if not flash_autotune.interpreter_active():
+        pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")
+    from cs336_systems.attention.kernels import flash_launch
+
+    seen = []
+    real = flash_launch.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("tiles"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_launch, "forward", spy)
+    monkeypatch.setattr(flash_configs, "candidates", lambda kernel, key: [flash_configs.TileConfig(32, 32, 4, 1)])
+    for split_d, want in (("", (128, 0)), ("1", None)):
+        monkeypatch.setenv("CS336_FLASH_SPLIT_D", split_d)
+        seen.clear()
+        flash_autotune.tune(1, 40, 40, 80, torch.float16, True, "cpu", kernels=("fwd",), bench=lambda fn: 1.0,
+                            save=False)
+        assert seen and all(tiles == want for tiles in seen), (split_d, seen)
 
 
 def test_close_rejects_wrong_or_nonfinite_outputs():

@@ -105,9 +105,9 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str) -> tuple[int, int]:
     return whole, 0
 
 
-SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: the split head-dim tiles of the backward kernels are experimental; on Hopper "
-                   "with Triton 3.6 they can hit illegal memory accesses or return NaN without an error "
-                   "(docs/flash-attention.md, Section 13)")
+SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: split head-dim tiles beyond the default forward at d 80 and 96 are "
+                   "experimental; on Hopper with Triton 3.6 the backward kernels' can hit illegal memory accesses "
+                   "or return NaN without an error (docs/flash-attention.md, Section 13)")
 _split_warned = False
 
 

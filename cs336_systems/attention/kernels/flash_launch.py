@@ -189,7 +189,7 @@ def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
-            tma: int | None = None) -> None:
+            tma: int | None = None, tiles: tuple[int, int] | None = None) -> None:
     """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
     ``splits``: key chunks per query tile (None: `key_splits`, never with split tiles opted in unless forced);
@@ -198,13 +198,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     ``longest_first`` orders the unsplit kernel's causal tiles (a measurement switch); the split grid
     has about one program per SM, so it has no order to choose and ignores it.
     ``tma``: how K and V are loaded (None: the configuration's mode where `use_tma` allows it; see
-    `_kv_descriptors`).
+    `_kv_descriptors`).  ``tiles``: the head-dim register tiles (None: `d_tiles(d, dtype, "fwd")`; the tuner
+    passes the padded tile when the configuration is keyed by the padded width).
     """
     q, k, v, o = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
     n_queries, d = q.shape[-2:]
     heads, bh = q.shape[1], slices(q)
     group = group_size(q, k)
-    tiles = d_tiles(d, q.dtype, "fwd")
+    tiles = d_tiles(d, q.dtype, "fwd") if tiles is None else tiles
     # a forward that runs split by default has a configuration chosen for the padded width, which the key-split
     # kernel's padded tile fits; with every kernel opted in to split tiles the configuration need not fit it
     splits = key_splits(q, k.shape[-2], cfg, split_head_dim=split_opted_in(d, q.dtype)) if splits is None else splits
