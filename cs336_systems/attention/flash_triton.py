@@ -13,8 +13,8 @@ Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv divid
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
 register tile with the padding columns masked, or in two power-of-two tiles side by side where that saves columns
-(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): the forward at d 80 and 96 by default, every kernel with
-CS336_FLASH_SPLIT_D=1 (experimental), none with CS336_FLASH_SPLIT_D=0.
+(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): the forward at d 80 and 96 by default on Hopper, every
+kernel with CS336_FLASH_SPLIT_D=1 (experimental), none with CS336_FLASH_SPLIT_D=0.
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).
@@ -297,7 +297,8 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
         return False
     cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
     # a kernel whose head dim runs split takes pointer loads
-    return any(cfg[kernel].tma and not d_tiles(d, dtype, kernel)[1] for kernel in ("fwd", "dq"))
+    capability = launch.capability_major(device) if device.type == "cuda" else None
+    return any(cfg[kernel].tma and not d_tiles(d, dtype, kernel, capability)[1] for kernel in ("fwd", "dq"))
 
 
 @torch.compiler.assume_constant_result

@@ -119,6 +119,13 @@ def test_default_splits_the_forward_at_d80_and_d96_only(monkeypatch):
             for kernel in flash_configs.KERNELS:
                 assert d_tiles(d, torch.float32, kernel) == (block_d(d), 0), d
     assert ShapeKey.of(4, 512, 512, 80, torch.bfloat16, True) == ShapeKey.of(4, 512, 512, 128, torch.bfloat16, True)
+    # measured on Hopper only: a CUDA device of another capability keeps the padded forward; off CUDA
+    # (capability None: the interpreter) and on Hopper it splits
+    assert flash_configs.FORWARD_SPLIT_CAPABILITIES == (9,)
+    assert d_tiles(80, torch.bfloat16, "fwd", 9) == d_tiles(80, torch.bfloat16, "fwd", None) == (64, 16)
+    assert d_tiles(80, torch.bfloat16, "fwd", 8) == d_tiles(96, torch.float16, "fwd", 10) == (128, 0)
+    monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")  # opted in, every capability
+    assert d_tiles(80, torch.bfloat16, "fwd", 8) == d_tiles(80, torch.bfloat16, "dq", 8) == (64, 16)
     with pytest.raises(ValueError, match=r"kernel must be one of \('fwd', 'dkdv', 'dq'\), got 'bwd'"):
         d_tiles(80, torch.bfloat16, "bwd")
 

@@ -60,8 +60,10 @@ SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (3
 # Head dims whose forward runs its split layout by default (16-bit inputs): the layouts measured faster than
 # the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an H200; d 96: 39.6
 # against 41.6) and clean under concurrent load (docs/flash-attention.md, Section 13).  The backward kernels'
-# split tiles still fault under load, so by default they keep the padded tile.
+# split tiles still fault under load, so by default they keep the padded tile.  Measured on Hopper only: on CUDA
+# devices of another compute capability major than FORWARD_SPLIT_CAPABILITIES the forward keeps the padded tile.
 FORWARD_SPLIT_HEAD_DIMS = (80, 96)
+FORWARD_SPLIT_CAPABILITIES = (9,)
 
 
 def split_opted_in(head_dim: int, dtype: torch.dtype) -> bool:
@@ -74,7 +76,7 @@ def split_opted_in(head_dim: int, dtype: torch.dtype) -> bool:
     return forced == "1" and dtype != torch.float32 and head_dim in SPLIT_LAYOUTS
 
 
-def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str) -> tuple[int, int]:
+def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | None = None) -> tuple[int, int]:
     """One kernel's head-dim register tiles (BLOCK_D, BLOCK_D2) (``kernel`` one of `KERNELS`): the one padded
     tile `block_d(d)` and BLOCK_D2 = 0, or two power-of-two tiles side by side that cover d with fewer columns:
     80 = 64 + 16, 96 = 32 + 64 (`SPLIT_LAYOUTS`).  Every matmul over d becomes two (Q K^T and dO V^T sum two
@@ -82,7 +84,9 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str) -> tuple[int, int]:
     multiplies 128 columns, the split one 80.
 
     By default (``CS336_FLASH_SPLIT_D`` unset) the forward of 16-bit inputs at `FORWARD_SPLIT_HEAD_DIMS` runs
-    split and everything else padded.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
+    split and everything else padded; ``capability`` is the CUDA device's compute capability major (None off
+    CUDA, e.g. in the interpreter), and the default split forward applies only at `FORWARD_SPLIT_CAPABILITIES`
+    (Hopper, where it was measured) and off CUDA.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
     experimental): every kernel at every head dim of `SPLIT_LAYOUTS` runs split; on Hopper (Triton 3.6) the
     split dQ and dK/dV kernels hit illegal memory accesses, and can return NaN without an error, under
     concurrent load (docs/flash-attention.md, Section 13); the first such choice in a process warns
@@ -100,7 +104,7 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str) -> tuple[int, int]:
             warnings.warn(SPLIT_D_WARNING, RuntimeWarning, stacklevel=2)
         return SPLIT_LAYOUTS[head_dim]
     if (kernel == "fwd" and os.environ.get(SPLIT_D_ENV, "") == "" and dtype != torch.float32
-            and head_dim in FORWARD_SPLIT_HEAD_DIMS):
+            and head_dim in FORWARD_SPLIT_HEAD_DIMS and capability in (None, *FORWARD_SPLIT_CAPABILITIES)):
         return SPLIT_LAYOUTS[head_dim]
     return whole, 0
 

@@ -205,7 +205,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     n_queries, d = q.shape[-2:]
     heads, bh = q.shape[1], slices(q)
     group = group_size(q, k)
-    tiles = d_tiles(d, q.dtype, "fwd") if tiles is None else tiles
+    if tiles is None:
+        tiles = d_tiles(d, q.dtype, "fwd", capability_major(q.device) if q.is_cuda else None)
     # a forward that runs split by default has a configuration chosen for the padded width, which the key-split
     # kernel's padded tile fits; with every kernel opted in to split tiles the configuration need not fit it
     splits = key_splits(q, k.shape[-2], cfg, split_head_dim=split_opted_in(d, q.dtype)) if splits is None else splits
