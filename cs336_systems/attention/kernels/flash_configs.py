@@ -66,14 +66,19 @@ FORWARD_SPLIT_HEAD_DIMS = (80, 96)
 FORWARD_SPLIT_CAPABILITIES = (9,)
 
 
+def _split_switch() -> str:
+    """``CS336_FLASH_SPLIT_D``: "" (unset: the default), "0" or "1"; anything else is a ValueError."""
+    forced = os.environ.get(SPLIT_D_ENV, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
+    return forced
+
+
 def split_opted_in(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``CS336_FLASH_SPLIT_D=1`` puts every kernel of this call on its split layout (16-bit inputs at a
     head dim of `SPLIT_LAYOUTS`): then the configurations are keyed by the split width (`ShapeKey`).  A value
     other than unset, "0" or "1" is a ValueError."""
-    forced = os.environ.get(SPLIT_D_ENV, "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
-    return forced == "1" and dtype != torch.float32 and head_dim in SPLIT_LAYOUTS
+    return _split_switch() == "1" and dtype != torch.float32 and head_dim in SPLIT_LAYOUTS
 
 
 def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | None = None) -> tuple[int, int]:
@@ -96,17 +101,18 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | No
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    whole = block_d(head_dim)
-    if split_opted_in(head_dim, dtype):
+    switch = _split_switch()  # read once: this runs on every call
+    if switch == "0" or dtype == torch.float32 or head_dim not in SPLIT_LAYOUTS:
+        return block_d(head_dim), 0
+    if switch == "1":
         global _split_warned
-        if not _split_warned:  # once a process: this runs on every call
+        if not _split_warned:  # once a process
             _split_warned = True
             warnings.warn(SPLIT_D_WARNING, RuntimeWarning, stacklevel=2)
         return SPLIT_LAYOUTS[head_dim]
-    if (kernel == "fwd" and os.environ.get(SPLIT_D_ENV, "") == "" and dtype != torch.float32
-            and head_dim in FORWARD_SPLIT_HEAD_DIMS and capability in (None, *FORWARD_SPLIT_CAPABILITIES)):
+    if kernel == "fwd" and head_dim in FORWARD_SPLIT_HEAD_DIMS and capability in (None, *FORWARD_SPLIT_CAPABILITIES):
         return SPLIT_LAYOUTS[head_dim]
-    return whole, 0
+    return block_d(head_dim), 0
 
 
 SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: split head-dim tiles beyond the default forward at d 80 and 96 are "
