@@ -45,8 +45,10 @@ dispatch: at small sizes that dispatch is most of the call.  From the second eag
 (shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, the portable kernels'
 launches are replayed as the first call recorded them (`kernels/flash_replay`): no validation, no
 configuration lookup, no launcher Python and no Triton JIT binding, only the output allocations and one
-launcher call per kernel.  Calls that take a Gluon kernel, a workspace (key or group splits) or a TMA
-descriptor launch the ordinary way.  ``CS336_FLASH_REPLAY=0`` turns replays off.
+launcher call per kernel (Gluon kernels and TMA descriptors included: a replay rebuilds each descriptor on
+the new tensor).  Calls that take a workspace (key or group splits) launch the ordinary way.  The custom
+ops replay the same way when a compiled graph runs them (their tensors are plain then), under signatures
+of their own.  ``CS336_FLASH_REPLAY=0`` turns replays off.
 The registry's entry, `flash_attention`, is ``FlashAttentionTriton.apply`` except for eager calls that record no
 graph (``torch.no_grad()``, or no input requiring grad): those skip the autograd.Function and its context.
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
@@ -115,8 +117,8 @@ _SWITCHES = (REPLAY_ENV, launch.TMA_ENV, launch.SPLITS_ENV, launch.GROUP_SPLITS_
              flash_configs.FP32_DOT_ENV, flash_autotune.AUTOTUNE_ENV, flash_autotune.CACHE_ENV,
              "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD", "TRITON_INTERPRET", "TRITON_DEBUG")
 MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
-# Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a Gluon
-# kernel, a workspace, a descriptor).  Only validated, non-empty signatures are ever entered.
+# Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a workspace,
+# or a descriptor over a view at another address).  Only validated, non-empty signatures are ever entered.
 _recorded: dict[tuple, Recorder | None] = {}
 _UNSEEN = object()
 _ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if hasattr(os.environ, "encodekey") else ()
@@ -199,12 +201,12 @@ def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma:
     if replayed:
         return o, lse
     record = replayed is None  # a new signature: record it (once; a refused one is not tried again)
-    recorder = None
+    recorder = Recorder(slots) if record else None
     if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
-        hopper.forward(q, k, v, o, lse, is_causal)  # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
+        # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
+        hopper.forward(q, k, v, o, lse, is_causal, recorder or wrap)
     else:
         cfg = _select(q, k, is_causal, may_tune)
-        recorder = Recorder(slots) if record else None
         launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
     if record:
         _remember(key, recorder)
@@ -226,13 +228,12 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
     if gluon and dq_hopper.usable(q, k, v, o, do):
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)  # Gluon, sm_90 (flash_dq_hopper); also delta
-        recorder = None  # a Gluon launch (host-side descriptors) is not recorded
+        # Gluon, sm_90 (flash_dq_hopper); also delta
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, recorder or wrap)
     else:
         launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], recorder or wrap, o=o, tma=tma)
     if gluon and dkdv_hopper.usable(q, k, v, do):
-        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)  # Gluon, sm_90 (flash_dkdv_hopper)
-        recorder = None
+        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, recorder or wrap)  # Gluon (flash_dkdv_hopper)
     else:
         launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], recorder or wrap)
     if record:
@@ -242,8 +243,10 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
 
 @torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (Z, H, Nq, d), k, v: (Z, H_kv, Nk, d), unit stride on d -> (o like q, L (Z, H, Nq) float32)."""
-    return _forward(q, k, v, is_causal)
+    """q: (Z, H, Nq, d), k, v: (Z, H_kv, Nk, d), unit stride on d -> (o like q, L (Z, H, Nq) float32).
+    Replayed like an eager call (`_replay_key`: a compiled graph runs it on plain tensors), under a
+    signature of its own ("fwd op": it never tunes, where an eager call may)."""
+    return _forward(q, k, v, is_causal, key=_replay_key("fwd op", is_causal, (q, k, v)))
 
 
 @flash_attn_fwd.register_fake
@@ -256,8 +259,9 @@ def flash_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of flash_attn_fwd; all tensors (Z, H, N, d) with unit stride on d, lse (Z, H, Nq)."""
-    return _backward(q, k, v, o, lse, do, is_causal)
+    """Gradients of flash_attn_fwd; all tensors (Z, H, N, d) with unit stride on d, lse (Z, H, Nq).
+    Replayed as flash_attn_fwd is."""
+    return _backward(q, k, v, o, lse, do, is_causal, key=_replay_key("bwd op", is_causal, (q, k, v, o, do)))
 
 
 @flash_attn_bwd.register_fake

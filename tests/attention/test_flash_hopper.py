@@ -104,6 +104,30 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
     assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
 
 
+def test_dkdv_at_padded_head_dims_starts_at_the_models_context(monkeypatch):
+    """d 80 and 96 (a padded 128-wide tile in either kernel) take the Hopper dK/dV from PADDED_MIN_QUERIES
+    queries (the 2.7B model's N 512), with the other rules unchanged; d 64 and 128 keep MIN_QUERIES."""
+    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
+    assert dkdv_hopper.PADDED_MIN_QUERIES == 512 < dkdv_hopper.MIN_QUERIES
+
+    def qkv(hq, hkv, n, d, z=4):
+        q = torch.empty(z, hq, n, d, dtype=torch.bfloat16)
+        k = torch.empty(z, hkv, n, d, dtype=torch.bfloat16)
+        return q, k, k, q
+
+    for d in (80, 96):
+        assert dkdv_hopper.usable(*qkv(32, 32, 512, d))  # the 2.7B model: 1024 programs
+        assert not dkdv_hopper.usable(*qkv(32, 32, 511, d))
+        assert not dkdv_hopper.usable(*qkv(32, 8, 512, d))  # grouped heads
+        assert not dkdv_hopper.usable(*qkv(1, 1, 512, d, z=32))  # 256 programs: fewer than 2 per SM
+    for d in (64, 128):
+        assert not dkdv_hopper.usable(*qkv(32, 32, 512, d))
+        assert dkdv_hopper.usable(*qkv(32, 32, 2048, d))
+
+
 def test_dkdv_at_d256_splits_dk_and_dv_and_needs_no_program_count(monkeypatch):
     """d 256 runs two programs per key block (dV, dK) and, one program per SM either way, measured faster at
     every size from N 2048: no programs-per-SM rule there, the other rules as at d 128."""
@@ -149,7 +173,7 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     parts in two launches at long rows when each fills the GPU (a key block per SM), the dV part with its own
     taller steps; otherwise both parts in one launch (program_id(2) picks)."""
     calls = []
-    monkeypatch.setattr(dkdv_hopper, "_launch", lambda *args: calls.append(args[-2:]))
+    monkeypatch.setattr(dkdv_hopper, "_launch", lambda *args: calls.append(args[-3:-1]))
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
 
@@ -268,7 +292,7 @@ def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
     """flash_triton._forward hands usable eager problems to the Gluon kernel (nothing else launched) and the
     rest, and every traced launch through inductor's wrapper, to the portable one."""
     calls = []
-    monkeypatch.setattr(hopper, "forward", lambda q, k, v, o, lse, causal: calls.append("hopper"))
+    monkeypatch.setattr(hopper, "forward", lambda q, k, v, o, lse, causal, wrap: calls.append("hopper"))
     monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
     monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
     q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
@@ -502,3 +526,25 @@ def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, True)
     assert ran == ["dq"], ran
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("z, heads, n, d", [(2, (4, 4), 1000, 64), (4, (32, 32), 512, 80), (1, (8, 2), 700, 128),
+                                            (1, (2, 2), 300, 256)])
+def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, d):
+    """Gluon launches (host-side TMA descriptors) are recorded like the portable ones: with every Hopper
+    kernel forced on, the second and third calls of a signature replay the first's launches, with the
+    descriptors rebuilt on the new tensors, and give the ordinary path's outputs bit for bit.  The 2.7B
+    model's shape (d 80, N 512) takes the Hopper dK/dV by default."""
+    from test_flash_replay import _assert_replays_match_the_ordinary_path
+
+    monkeypatch.setenv(hopper.ENV, "1")
+    monkeypatch.setenv(dkdv_hopper.ENV, "1")
+    q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i) for i in range(3))
+    grad_out = torch.randn_like(q)
+    table = {}
+    _, replays = _assert_replays_match_the_ordinary_path(q, k, v, True, grad_out, table=table)
+    assert replays == 4  # the forward's and the backward's signature, at the second and third call
+    names = sorted(launch.compiled.name for plan in table.values() for launch in plan.launches)
+    assert names == ["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", "flash_fwd_hopper_kernel"]

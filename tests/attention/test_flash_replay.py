@@ -14,6 +14,7 @@ from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import REPLAY_ENV, FlashAttentionTriton
 from cs336_systems.attention.kernels import flash_replay
 from cs336_systems.attention.kernels.flash_replay import Recorder
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 class _Compiled:
@@ -67,6 +68,40 @@ def test_slots_that_share_memory_take_the_first():
     x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
     recorder.replay((x2, x2, y2), stream=0)
     assert recorder.ok and kernel.compiled.launched[0][9] is x2 and kernel.compiled.launched[0][10] is y2
+
+
+def test_descriptors_over_slots_are_rebuilt_on_the_new_tensors():
+    """A host-side TMA descriptor whose base is a slot, or a view of one at its address (the portable
+    launchers' 2-D K/V descriptors), replays as a copy of the recorded one on the new slot tensor: same
+    shape, strides and box; the recording itself keeps no tensor."""
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    over_y = TensorDescriptor.from_tensor(y, [2, 8])
+    over_x_view = TensorDescriptor(x.view(32), [32], [1], [16])
+    recorder(kernel)[(1,)](x, over_y, 32, over_x_view, 1.0)
+    assert recorder.ok, recorder.why
+    (recorded,) = recorder.launches
+    assert all(template.base is None for _, _, template in recorded.desc_of)
+    x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
+    recorder.replay((x2, y2), stream=0)
+    args = kernel.compiled.launched[0][9:]
+    assert args[0] is x2 and args[2] == 32 and args[4] == 1.0
+    for replayed, recorded_desc, base in ((args[1], over_y, y2), (args[3], over_x_view, x2)):
+        assert type(replayed) is TensorDescriptor and replayed.base is base
+        assert (replayed.shape, replayed.strides, replayed.block_shape) == (
+            recorded_desc.shape, recorded_desc.strides, recorded_desc.block_shape)
+    assert over_y.base is y  # the recorded call's own descriptor is left as it was
+
+
+def test_a_descriptor_over_other_memory_is_refused():
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    workspace = torch.zeros(4, 8)
+    recorder(kernel)[(1,)](x, TensorDescriptor.from_tensor(workspace, [2, 8]), 32, 8, 1.0)
+    assert not recorder.ok and "descriptor Y" in recorder.why
+    recorder = Recorder((x, y))
+    recorder(kernel)[(1,)](x, TensorDescriptor.from_tensor(y[1:], [2, 8]), 32, 8, 1.0)  # a view at another address
+    assert not recorder.ok and not recorder.launches
 
 
 @pytest.mark.parametrize("case", ["workspace", "descriptor", "grid function", "other strides",
@@ -193,14 +228,14 @@ def _replays(monkeypatch):
     return count
 
 
-def _assert_replays_match_the_ordinary_path(q, k, v, is_causal, grad_out, calls=3):
+def _assert_replays_match_the_ordinary_path(q, k, v, is_causal, grad_out, calls=3, table=None):
     """Run the call with replays off, then ``calls`` times from an empty table: each result equals the
     ordinary path's bit for bit, and each call after the first replays every signature the first recorded.
-    Returns the ordinary results and the number of replays."""
+    Returns the ordinary results and the number of replays; ``table`` (a dict) receives the recordings."""
     with pytest.MonkeyPatch.context() as patch:
         expected = _ordinary(patch, q, k, v, is_causal, grad_out)
         patch.delenv(REPLAY_ENV, raising=False)
-        patch.setattr(flash_triton, "_recorded", {})
+        patch.setattr(flash_triton, "_recorded", {} if table is None else table)
         count = _replays(patch)
         for call in range(calls):
             for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
@@ -346,6 +381,31 @@ def test_gpu_recorded_signatures_still_refuse_bad_calls():
     o = FlashAttentionTriton.apply(q, k, v, True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_graphs_replay_the_custom_ops(monkeypatch):
+    """A compiled graph runs the custom ops (here forced: `_inductor_path` False) on plain tensors, so they
+    record and replay their launches as eager calls do, under signatures of their own ("fwd op", "bwd op");
+    every call's outputs match the eager ones."""
+    monkeypatch.delenv(REPLAY_ENV, raising=False)
+    monkeypatch.setattr(flash_triton, "_inductor_path", lambda *args: False)
+    q, k, v = (token_major_view(4, 8, 512, 64, torch.bfloat16, i) for i in range(3))
+    grad_out = torch.randn_like(q)
+    expected = _ordinary(monkeypatch, q, k, v, True, grad_out)
+    monkeypatch.setattr(flash_triton, "_recorded", {})
+    count = _replays(monkeypatch)
+    torch._dynamo.reset()
+    compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
+    for _ in range(3):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = compiled(*leaves, True)
+        o.backward(grad_out)
+        for got, want in zip([o.detach()] + [t.grad for t in leaves], expected):
+            torch.testing.assert_close(got, want)
+    assert sorted(key[0] for key in flash_triton._recorded) == ["bwd op", "fwd op"]
+    assert all(plan is not None for plan in flash_triton._recorded.values()) and len(count) == 4
+    torch._dynamo.reset()
 
 
 def test_compiled_calls_do_not_guard_on_the_recorded_table(monkeypatch):

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import env_switch
+from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
@@ -65,6 +65,9 @@ DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
 # (one program per SM) won at every size measured, down to 128 programs (B·H 1, N 4096)
 MIN_PROGRAMS_PER_SM = 2
 MIN_QUERIES = 2048  # the shortest sequence where it measured faster (B 4, H 16, N 2048)
+# d 80 and 96, which the portable dK/dV runs in a padded 128-wide tile as this kernel does: at the 2.7B model's
+# shape (B 4, H 32, N 512, 1024 programs) it took 59 us against the portable kernel's 82 (H200, CUDA-graph time)
+PADDED_MIN_QUERIES = 512
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -271,8 +274,8 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
-    "1", the measured territory: at least MIN_QUERIES queries, no grouped K/V heads, and at least
-    MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the
+    "1", the measured territory: at least MIN_QUERIES queries (PADDED_MIN_QUERIES at d 80 and 96), no
+    grouped K/V heads, and at least MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the
     causal grid unbalanced, where the portable kernel's smaller key blocks do better; at d 256 (one program
     per SM either way) the Gluon kernel measured faster at every size from N 2048 up.  Shorter sequences and
     grouped heads (a program sums its whole group; the portable kernel spreads a group over programs,
@@ -281,7 +284,7 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
         return False
     if env_switch(ENV) == "1":
         return True
-    if n_q < MIN_QUERIES or heads != kv_heads:
+    if n_q < (PADDED_MIN_QUERIES if fwd.tile_dim(head_dim) != head_dim else MIN_QUERIES) or heads != kv_heads:
         return False
     if head_dim > 128:
         return True
@@ -298,12 +301,12 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
             and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)))
 
 
-def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int) -> None:
+def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int, wrap) -> None:
     n_q, d = q.shape[-2:]
     kv_heads = k.shape[1]
     block_n, block_m, stages = tile
     grid = (triton.cdiv(k.shape[-2], block_n), k.shape[0] * kv_heads, 2 if part == 3 else 1)
-    flash_dkdv_hopper_kernel[grid](
+    wrap(flash_dkdv_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
         fwd.descriptor(do, block_m), fwd.descriptor(dk, block_n), fwd.descriptor(dv, block_n), lse, delta,
         1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
@@ -312,21 +315,22 @@ def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int,
     )
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool) -> None:
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
     """dk, dv (like k, v; `usable` strides) written in place; lse, delta (Z, H, Nq) contiguous float32.
 
     d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key
     block, or, at SPLIT_MIN_QUERIES queries or more where each part alone fills the GPU (a key block per SM),
     two launches, so that the dV part takes its own, taller steps (DV_TILES_256); from LONG_QUERIES queries
-    the dK part takes shorter ones (DK_TILES_LONG_256)."""
+    the dK part takes shorter ones (DK_TILES_LONG_256).  ``wrap``: `flash_launch.direct`, or a
+    `flash_replay.Recorder` recording the launches."""
     width = fwd.tile_dim(q.shape[-1])
     if parts(width) == 1:
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0)
+        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0, wrap)
         return
     key_blocks = triton.cdiv(k.shape[-2], tiles(width)[0]) * k.shape[0] * k.shape[1]
     if q.shape[-2] >= SPLIT_MIN_QUERIES and fwd.enough_work(key_blocks, q.device, 1):
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1)
+        _launch(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1, wrap)
         dk_tiles = DK_TILES_LONG_256 if q.shape[-2] >= LONG_QUERIES else tiles(width)
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, dk_tiles, 2)
+        _launch(q, k, v, do, lse, delta, dk, dv, causal, dk_tiles, 2, wrap)
     else:
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 3)
+        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 3, wrap)

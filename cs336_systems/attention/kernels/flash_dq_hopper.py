@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import env_switch
+from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 ENV = dkdv_hopper.ENV  # one switch for the backward's Gluon kernels
@@ -178,16 +178,17 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d
             and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, o, do)))
 
 
-def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool) -> None:
+def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
     """dq_out (like q; `usable` strides) and delta ((Z, H, Nq) contiguous float32) written in place; lse is
-    the forward's L, (Z, H, Nq) contiguous float32."""
+    the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `flash_launch.direct`, or a
+    `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
     width = fwd.tile_dim(d)
     programs = triton.cdiv(n_q, 64) * q.shape[0] * heads  # BLOCK_M is 64 in every tile choice
     block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(programs, q.device, 1))
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
-    flash_dq_hopper_kernel[grid](
+    wrap(flash_dq_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
         fwd.descriptor(do, block_m), fwd.descriptor(dq_out, block_m), o, o.stride(0), o.stride(1), o.stride(2),
         lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1], d,

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels.flash_launch import capability_major, env_switch, sm_count, tma_enabled
+from cs336_systems.attention.kernels.flash_launch import capability_major, direct, env_switch, sm_count, tma_enabled
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
@@ -349,15 +349,16 @@ def descriptor(t: torch.Tensor, rows: int):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-            causal: bool) -> None:
+            causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
-    `usable` strides, k and v with H_kv heads dividing H."""
+    `usable` strides, k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
+    `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
     width = tile_dim(d)
     bn = block_n(width)
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
-    flash_fwd_hopper_kernel[grid](
+    wrap(flash_fwd_hopper_kernel)[grid](
         descriptor(q, BLOCK_M), descriptor(k, bn), descriptor(v, bn), descriptor(o, BLOCK_M), lse,
         LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=width, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(width), num_warps=8,

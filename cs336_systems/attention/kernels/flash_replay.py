@@ -14,10 +14,16 @@ and hand the recorded arguments, with the new tensors in their slots, to each co
     launch.forward(..., wrap=plan)    # launches as usual, and records each launch
     plan.replay(new_slots, stream)    # later: the same kernels, grids and scalars on new tensors
 
+A host-side TMA descriptor (Triton's `TensorDescriptor`, or Gluon's) is recorded as a template and its slot:
+the slot whose address and dtype its base has (the base may be a view of the slot, as the portable
+launchers' 2-D K/V descriptors are).  A replay hands the launcher a copy of the template on the new slot's
+tensor; the launcher encodes the TMA descriptor from the base's address and the template's shape, strides
+and box, as it does at every ordinary launch, and the signature fixes all of those but the address.
+
 A recording is refused (`Recorder.ok` False; the call keeps the ordinary path) when a launch takes an
-argument it cannot replay: a tensor that is none of the slots (a workspace allocated inside the launcher,
-e.g. the key-split partials), a TMA descriptor (built per call around the tensor's address), a grid given
-as a function, a kernel with JIT pre-run hooks, or a kernel still compiling.  Replays also keep Triton's
+argument it cannot replay: a tensor, or a descriptor's base, that is none of the slots (a workspace
+allocated inside the launcher, e.g. the key-split partials, or a view at another address), another object
+built per call, a grid given as a function, a kernel with JIT pre-run hooks, or a kernel still compiling.  Replays also keep Triton's
 launch hooks (profilers) on the ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its
 integer arguments (equal to 1, divisible by 16) and on the 16-byte alignment of its pointers; the integers
 are part of the signature, the inputs' alignment is part of the caller's key, and the outputs come from
@@ -33,6 +39,12 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:  # Gluon's host descriptor (the Hopper kernels'); absent from Triton releases without Gluon
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    GluonTensorDescriptor = TensorDescriptor
 
 try:  # Triton >= 3.3 keeps the launch hooks in knobs
     from triton import knobs as _knobs
@@ -57,14 +69,29 @@ def _name(kernel) -> str:
     return getattr(kernel, "__name__", type(kernel).__name__)
 
 
+_DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
+
+
+def _on(template, base: torch.Tensor):
+    """A copy of the descriptor ``template`` with ``base`` as its base: the template's fields, no
+    re-validation (the template passed it, and the signature fixes everything it checked but the address,
+    whose alignment is part of the signature too)."""
+    copy = object.__new__(type(template))
+    copy.__dict__.update(template.__dict__)
+    copy.base = base
+    return copy
+
+
 class _Launch:
     """One recorded launch: the compiled kernel, its grid, and its arguments in the kernel's parameter
-    order, with each slot tensor replaced by its index in `slot_of`."""
+    order, with each slot tensor replaced by its index in `slot_of` and each descriptor by its index in
+    `desc_of` (with the recorded descriptor as the template)."""
 
-    __slots__ = ("args", "compiled", "grid", "slot_of")
+    __slots__ = ("args", "compiled", "desc_of", "grid", "slot_of")
 
-    def __init__(self, compiled, grid: tuple[int, int, int], args: list, slot_of: tuple[tuple[int, int], ...]):
-        self.compiled, self.grid, self.args, self.slot_of = compiled, grid, args, slot_of
+    def __init__(self, compiled, grid: tuple[int, int, int], args: list, slot_of: tuple[tuple[int, int], ...],
+                 desc_of: tuple[tuple[int, int, object], ...] = ()):
+        self.compiled, self.grid, self.args, self.slot_of, self.desc_of = compiled, grid, args, slot_of, desc_of
 
 
 class Recorder:
@@ -98,6 +125,17 @@ class Recorder:
                 return i
         return None
 
+    def _base_slot(self, base) -> int | None:
+        """The first slot at ``base``'s address with its dtype (a descriptor's base may be a view of it), or
+        None."""
+        if not isinstance(base, torch.Tensor):
+            return None
+        ptr, dtype = base.data_ptr(), base.dtype
+        for i, s in enumerate(self.slots):
+            if s.data_ptr() == ptr and s.dtype == dtype:
+                return i
+        return None
+
     def add(self, kernel, compiled, grid, args: tuple, kwargs: dict) -> None:
         if compiled is None or not hasattr(compiled, "packed_metadata"):  # the interpreter's launch returns None
             self.refuse("the launch returned no compiled kernel")
@@ -116,9 +154,17 @@ class Recorder:
         bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
         bound.apply_defaults()
         values = list(bound.arguments.values())
-        slot_of = []
+        slot_of, desc_of = [], []
         for position, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, _DESCRIPTORS):
+                slot = self._base_slot(value.base)
+                if slot is None:
+                    self.refuse(f"descriptor {kernel.arg_names[position]} of {_name(kernel)} is not over one of "
+                                "the call's tensors")
+                    return
+                desc_of.append((position, slot, _on(value, None)))  # the template keeps no tensor alive
+                values[position] = None
+            elif isinstance(value, torch.Tensor):
                 slot = self._slot(value)
                 if slot is None:
                     self.refuse(f"argument {kernel.arg_names[position]} of {_name(kernel)} is not one of the "
@@ -127,11 +173,11 @@ class Recorder:
                 slot_of.append((position, slot))
                 values[position] = None
             elif not isinstance(value, (int, float, bool, str, type(None), triton.language.dtype)):
-                # descriptors and anything else built per call around an address
+                # anything else built per call around an address
                 self.refuse(f"argument {kernel.arg_names[position]} of {_name(kernel)} is a "
                             f"{type(value).__name__}")
                 return
-        self.launches.append(_Launch(compiled, grid, values, tuple(slot_of)))
+        self.launches.append(_Launch(compiled, grid, values, tuple(slot_of), tuple(desc_of)))
 
     def replay(self, slots: tuple[torch.Tensor, ...], stream: int) -> None:
         """Launch the recorded kernels on ``slots`` (same signature as the recorded ones) on ``stream``."""
@@ -139,6 +185,8 @@ class Recorder:
             args = launch.args.copy()
             for position, slot in launch.slot_of:
                 args[position] = slots[slot]
+            for position, slot, template in launch.desc_of:
+                args[position] = _on(template, slots[slot])
             compiled = launch.compiled
             compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
