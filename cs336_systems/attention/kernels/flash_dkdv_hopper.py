@@ -301,7 +301,8 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) 
             and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)))
 
 
-def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int, wrap) -> None:
+def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int,
+            wrap=direct) -> None:
     n_q, d = q.shape[-2:]
     kv_heads = k.shape[1]
     block_n, block_m, stages = tile
