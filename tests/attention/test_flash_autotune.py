@@ -155,8 +155,9 @@ def test_shape_key_buckets():
 
 def test_shape_key_is_the_register_width(monkeypatch):
     """Split head dims get their own keys (the autotune cache must not mix their configurations with the padded
-    tile's) when every kernel is opted in; float32 and the default (whose forward alone runs split at d 80 and 96,
-    in fewer columns than the padded tile its configuration was chosen for) share the padded tile's key."""
+    tile's) when every kernel is opted in; float32 and the default (padded, or a forward alone split at a head
+    dim of `FORWARD_SPLIT_HEAD_DIMS`, in fewer columns than the padded tile its configuration was chosen for)
+    share the padded tile's key."""
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True).head_dim == 80
     assert ShapeKey.of(1, 4096, 4096, 96, torch.float16, True).head_dim == 96
@@ -447,9 +448,9 @@ def test_tune_picks_the_fastest_correct_candidate_and_caches_it(tmp_cache):
 
 
 def test_tune_times_the_tile_its_key_names(tmp_cache, monkeypatch):
-    """At d 80 the forward runs split by default but its configuration is keyed by the padded width (shared with
-    d 112 and 128): the tuner times the padded forward there; opted in to split tiles everywhere, the key is the
-    split width and the tuner times the split forward."""
+    """Where a head dim's forward runs split by default (`FORWARD_SPLIT_HEAD_DIMS`, here d 80) its configuration
+    is keyed by the padded width (shared with d 112 and 128): the tuner times the padded forward there; opted in
+    to split tiles everywhere, the key is the split width and the tuner times the split forward."""
     if not flash_autotune.interpreter_active():
         pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")
     from cs336_systems.attention.kernels import flash_launch
@@ -463,6 +464,7 @@ def test_tune_times_the_tile_its_key_names(tmp_cache, monkeypatch):
 
     monkeypatch.setattr(flash_launch, "forward", spy)
     monkeypatch.setattr(flash_configs, "candidates", lambda kernel, key: [flash_configs.TileConfig(32, 32, 4, 1)])
+    monkeypatch.setattr(flash_configs, "FORWARD_SPLIT_HEAD_DIMS", (80,))
     for split_d, want in (("", (128, 0)), ("1", None)):
         monkeypatch.setenv("CS336_FLASH_SPLIT_D", split_d)
         seen.clear()

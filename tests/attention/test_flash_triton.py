@@ -21,6 +21,13 @@ from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# The opt-in split tiles (every kernel) only where asked for: on Hopper the split kernels still hit illegal
+# memory accesses under load (docs/flash-attention.md, Section 13), and an illegal access poisons the CUDA
+# context of every later test in the process.
+SPLIT_TILES_ON_GPU = pytest.mark.skipif(
+    os.environ.get("CS336_FLASH_SPLIT_D") != "1",
+    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 (docs/flash-attention.md, Section 13)")
+
 
 def _apply(q, k, v, causal):
     return FlashAttentionTriton.apply(q, k, v, causal)
@@ -96,34 +103,31 @@ def test_head_dim_tiles(monkeypatch):
                 assert first == block_d(d), d
 
 
-def test_default_splits_the_forward_at_d80_and_d96_only(monkeypatch):
-    """Unset: the forward of 16-bit inputs runs split at `FORWARD_SPLIT_HEAD_DIMS` (80, 96), every other kernel,
-    head dim and dtype the padded tile; nothing warns, and the configurations stay keyed by the padded width."""
+def test_default_runs_the_padded_tile_everywhere(monkeypatch):
+    """Unset: every kernel, head dim and dtype takes the padded tile (the split forward faulted with one key
+    under load on Hopper; docs/flash-attention.md, Section 13), nothing warns, and the configurations stay
+    keyed by the padded width.  A head dim in `FORWARD_SPLIT_HEAD_DIMS` would run its forward split on the
+    listed capabilities and off CUDA."""
     import warnings
 
     from cs336_systems.attention.kernels import flash_configs
-    from cs336_systems.attention.kernels.flash_configs import (
-        FORWARD_SPLIT_HEAD_DIMS, HEAD_DIMS, SPLIT_LAYOUTS, ShapeKey, block_d, d_tiles,
-    )
+    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, SPLIT_LAYOUTS, ShapeKey, block_d, d_tiles
 
     monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
     monkeypatch.setattr(flash_configs, "_split_warned", False)  # a warning left over from another test must not hide one
-    assert FORWARD_SPLIT_HEAD_DIMS == (80, 96)
+    assert flash_configs.FORWARD_SPLIT_HEAD_DIMS == ()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for d in HEAD_DIMS:
-            for dtype in (torch.bfloat16, torch.float16):
-                want = SPLIT_LAYOUTS[d] if d in FORWARD_SPLIT_HEAD_DIMS else (block_d(d), 0)
-                assert d_tiles(d, dtype, "fwd") == want, d
-                assert d_tiles(d, dtype, "dq") == d_tiles(d, dtype, "dkdv") == (block_d(d), 0), d
-            for kernel in flash_configs.KERNELS:
-                assert d_tiles(d, torch.float32, kernel) == (block_d(d), 0), d
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for kernel in flash_configs.KERNELS:
+                    for capability in (None, 8, 9):
+                        assert d_tiles(d, dtype, kernel, capability) == (block_d(d), 0), (d, dtype, kernel)
     assert ShapeKey.of(4, 512, 512, 80, torch.bfloat16, True) == ShapeKey.of(4, 512, 512, 128, torch.bfloat16, True)
-    # measured on Hopper only: a CUDA device of another capability keeps the padded forward; off CUDA
-    # (capability None: the interpreter) and on Hopper it splits
-    assert flash_configs.FORWARD_SPLIT_CAPABILITIES == (9,)
-    assert d_tiles(80, torch.bfloat16, "fwd", 9) == d_tiles(80, torch.bfloat16, "fwd", None) == (64, 16)
-    assert d_tiles(80, torch.bfloat16, "fwd", 8) == d_tiles(96, torch.float16, "fwd", 10) == (128, 0)
+    monkeypatch.setattr(flash_configs, "FORWARD_SPLIT_HEAD_DIMS", (80,))  # the mechanism, for a listed head dim
+    assert d_tiles(80, torch.bfloat16, "fwd", 9) == d_tiles(80, torch.bfloat16, "fwd", None) == SPLIT_LAYOUTS[80]
+    assert d_tiles(80, torch.bfloat16, "fwd", 8) == d_tiles(80, torch.bfloat16, "dq", 9) == (128, 0)
+    assert d_tiles(80, torch.float32, "fwd", 9) == d_tiles(96, torch.float16, "fwd", 9) == (128, 0)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")  # opted in, every capability
     assert d_tiles(80, torch.bfloat16, "fwd", 8) == d_tiles(80, torch.bfloat16, "dq", 8) == (64, 16)
     with pytest.raises(ValueError, match=r"kernel must be one of \('fwd', 'dkdv', 'dq'\), got 'bwd'"):
@@ -132,8 +136,7 @@ def test_default_splits_the_forward_at_d80_and_d96_only(monkeypatch):
 
 def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
     """CS336_FLASH_SPLIT_D=1 is a known-unsafe opt-in on Hopper: the first split choice in a process says so
-    (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default (whose forward runs
-    split at d 80) never warns."""
+    (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default never warns."""
     import warnings
 
     from cs336_systems.attention.kernels import flash_configs
@@ -142,7 +145,7 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
-        assert flash_configs.d_tiles(80, torch.bfloat16, "fwd") == (64, 16)
+        assert flash_configs.d_tiles(80, torch.bfloat16, "fwd") == (128, 0)
         flash_configs.d_tiles(80, torch.bfloat16, "dq")
         monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
         flash_configs.d_tiles(80, torch.float32, "dq")  # float32 keeps the padded tile: no split, no warning
@@ -157,8 +160,8 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
 def test_split_head_dim_switch(monkeypatch):
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: the forward split at d 80 and 96
-    assert d_tiles(80, torch.bfloat16, "fwd") == (64, 16) and d_tiles(80, torch.bfloat16, "dkdv") == (128, 0)
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: padded everywhere
+    assert d_tiles(80, torch.bfloat16, "fwd") == (128, 0) and d_tiles(80, torch.bfloat16, "dkdv") == (128, 0)
     assert d_tiles(192, torch.float16, "fwd") == (256, 0)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "0")  # padded everywhere
     assert d_tiles(80, torch.bfloat16, "fwd") == (128, 0) and d_tiles(192, torch.float16, "fwd") == (256, 0)
@@ -169,41 +172,40 @@ def test_split_head_dim_switch(monkeypatch):
         d_tiles(80, torch.bfloat16, "fwd")
 
 
-def _split_forward_against_padded(d, dtype, device, monkeypatch):
+def _split_forward_against_padded(d, dtype, device):
     from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import TileConfig, d_tiles
+    from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS, TileConfig, block_d
 
     for nq, nk in ((1, 1), (17, 63), (130, 130), (1, 300)):
         q, k, v = random_qkv((2, 3), nq, nk, d, dtype, device, seed=nq * 1000 + nk)
         for causal in (False, True):
             for stages in (1, 2, 3):  # one stage: the failing case before V's narrow tile moved
                 cfg = TileConfig(64, 64, 4, stages)
-                results = {}
-                for split_d in ("0", ""):
-                    monkeypatch.setenv("CS336_FLASH_SPLIT_D", split_d)
+                results = []
+                for tiles in ((block_d(d), 0), SPLIT_LAYOUTS[d]):
                     o, lse = torch.empty_like(q), torch.empty(2 * 3, nq, device=device)
-                    flash_launch.forward(q, k, v, o, lse, causal, cfg, splits=1)
-                    results[split_d] = (o.float(), lse)
-                assert d_tiles(d, dtype, "fwd")[1]  # the default ran split
-                for split, padded in zip(results[""], results["0"]):
+                    flash_launch.forward(q, k, v, o, lse, causal, cfg, splits=1, tiles=tiles)
+                    results.append((o.float(), lse))
+                for padded, split in zip(*results):
                     torch.testing.assert_close(split, padded, rtol=1e-2, atol=1e-2, msg=f"{nq} {nk} {causal} {stages}")
 
 
 @pytest.mark.parametrize("d", [80, 96])
-def test_default_split_forward_matches_the_padded_one(d, monkeypatch):
-    """The forward that runs split by default (d 80 and 96) against the padded one, at one to three pipeline
-    stages and edge shapes; on Hopper with Triton 3.6 the one-stage split forward returned wrong outputs or
-    faulted on every launch until V's narrow tile was loaded before the wide P V product
-    (docs/flash-attention.md, Section 13).  Here in the interpreter (fp16), on the GPU below (bf16)."""
+def test_split_forward_matches_the_padded_one(d):
+    """The split forward (opt-in; d 80 and 96) against the padded one, at one to three pipeline stages and edge
+    shapes; on Hopper with Triton 3.6 the one-stage split forward returned wrong outputs or faulted on every
+    launch until V's narrow tile was loaded before the wide P V product (docs/flash-attention.md, Section 13).
+    Here in the interpreter (fp16), on the GPU below (bf16, opted in only: it can still fault under load)."""
     if DEVICE != "cpu":
-        pytest.skip("the GPU variant is test_gpu_default_split_forward_matches_the_padded_one")
-    _split_forward_against_padded(d, torch.float16, "cpu", monkeypatch)
+        pytest.skip("the GPU variant is test_gpu_split_forward_matches_the_padded_one")
+    _split_forward_against_padded(d, torch.float16, "cpu")
 
 
 @pytest.mark.gpu
+@SPLIT_TILES_ON_GPU
 @pytest.mark.parametrize("d", [80, 96])
-def test_gpu_default_split_forward_matches_the_padded_one(d, monkeypatch):
-    _split_forward_against_padded(d, torch.bfloat16, "cuda", monkeypatch)
+def test_gpu_split_forward_matches_the_padded_one(d):
+    _split_forward_against_padded(d, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -497,14 +499,6 @@ def test_gpu_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
     assert_flash_accuracy(_apply, q, k, v, is_causal)
 
 
-# The opt-in split tiles (every kernel; the backward's are the experimental ones) only where asked for: on Hopper
-# the split dQ and dK/dV kernels still hit illegal memory accesses under load (docs/flash-attention.md, Section
-# 13), and an illegal access poisons the CUDA context of every later test in the process.
-SPLIT_TILES_ON_GPU = pytest.mark.skipif(
-    os.environ.get("CS336_FLASH_SPLIT_D") != "1",
-    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 (docs/flash-attention.md, Section 13)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.bfloat16, ""),
                                             pytest.param(torch.bfloat16, "1", marks=SPLIT_TILES_ON_GPU)])
@@ -517,8 +511,8 @@ SPLIT_TILES_ON_GPU = pytest.mark.skipif(
     seed=st.integers(0, 2**31 - 1),
 )
 def test_gpu_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_causal, seed):
-    """Every head dim compiled for the GPU (padded tiles, TMA boxes wider than the rows; by default the forward
-    split at d 80 and 96), bf16 included."""
+    """Every head dim compiled for the GPU (padded tiles, TMA boxes wider than the rows; split tiles when opted
+    in), bf16 included."""
     q, k, v = random_qkv((2, 3), nq, nk, d, dtype, "cuda", seed)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CS336_FLASH_SPLIT_D", split_d)
@@ -891,7 +885,8 @@ def test_traced_calls_take_the_inductor_ops_unless_descriptors_are_wanted(monkey
 @pytest.mark.parametrize("heads, kv_heads, d", [(25, 25, 64), (32, 32, 80), (8, 2, 64)])
 def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d):
     """torch.compile(fullgraph=True) with inductor on the models' layout: the triton_ops are traced into the
-    graph (no custom-op call left), and forward and gradients equal the eager kernels'."""
+    graph (no custom-op call left), and forward and gradients equal the eager kernels'.  Where a Gluon kernel is
+    chosen for the shape (the 2.7B model's d 80 dK/dV on Hopper) the graph calls the custom ops instead."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -911,9 +906,11 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
 
     (o, *grads), code = run_and_get_code(compiled_step)
     code = "".join(code)
-    # inductor launches the kernels itself, forward and backward: no registered custom op is called
-    assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))
-    assert "torch.ops.cs336" not in code
+    if flash_triton._gluon_chosen(4, heads, kv_heads, 512, 512, d, torch.bfloat16, q.device):
+        assert "torch.ops.cs336.flash_attn_fwd.default" in code and "torch.ops.cs336.flash_attn_bwd.default" in code
+    else:  # inductor launches the kernels itself, forward and backward: no registered custom op is called
+        assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))
+        assert "torch.ops.cs336" not in code
     expected = step(q, k, v)
     for a, b in zip((o, *grads), expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

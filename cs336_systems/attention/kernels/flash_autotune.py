@@ -295,7 +295,7 @@ def tune(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype
 
     q, k, v, do = rand(n_queries), rand(n_keys), rand(n_keys), rand(n_queries)
     base = configs.default_config(key)
-    # The forward runs split by default at some head dims (`flash_configs.d_tiles`) while its configuration is
+    # A forward that runs split by default (`flash_configs.FORWARD_SPLIT_HEAD_DIMS`) has its configuration
     # keyed by the padded width, which d 112 and 128 share: time the padded tile there, so that the cache entry
     # means one tile for every head dim that reads it (the split one holds fewer columns, so it fits too).
     fwd_tiles = None if configs.split_opted_in(head_dim, dtype) else (configs.block_d(head_dim), 0)

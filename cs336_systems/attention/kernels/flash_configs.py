@@ -57,12 +57,14 @@ SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 # memory reads in Triton's wgmma code there.  Head dims not listed keep the padded tile.
 SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (32, 128), 192: (64, 128)}
 
-# Head dims whose forward runs its split layout by default (16-bit inputs): the layouts measured faster than
-# the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an H200; d 96: 39.6
-# against 41.6) and clean under concurrent load (docs/flash-attention.md, Section 13).  The backward kernels'
-# split tiles still fault under load, so by default they keep the padded tile.  Measured on Hopper only: on CUDA
-# devices of another compute capability major than FORWARD_SPLIT_CAPABILITIES the forward keeps the padded tile.
-FORWARD_SPLIT_HEAD_DIMS = (80, 96)
+# Head dims whose forward runs its split layout by default (16-bit inputs): none.  The split forward at d 80 and
+# 96 measured faster than the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an
+# H200; d 96: 39.6 against 41.6) and ran clean under concurrent load at that shape, but with one key (N_k 1) it
+# hit illegal memory accesses in 10 of 39 processes under eight-process load on an H200 (Triton 3.6), where the
+# padded forward ran clean (docs/flash-attention.md, Section 13); the backward kernels' split tiles fault too.
+# The mechanism stays for a Triton release without the fault: a head dim listed here runs its forward split by
+# default on devices of a compute capability major in FORWARD_SPLIT_CAPABILITIES and off CUDA.
+FORWARD_SPLIT_HEAD_DIMS: tuple[int, ...] = ()
 FORWARD_SPLIT_CAPABILITIES = (9,)
 
 
@@ -88,12 +90,12 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | No
     products; O, dQ, dK, dV are two accumulators), so the padding's work is gone: a padded d = 80 tile
     multiplies 128 columns, the split one 80.
 
-    By default (``CS336_FLASH_SPLIT_D`` unset) the forward of 16-bit inputs at `FORWARD_SPLIT_HEAD_DIMS` runs
-    split and everything else padded; ``capability`` is the CUDA device's compute capability major (None off
-    CUDA, e.g. in the interpreter), and the default split forward applies only at `FORWARD_SPLIT_CAPABILITIES`
-    (Hopper, where it was measured) and off CUDA.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
+    By default (``CS336_FLASH_SPLIT_D`` unset) the forward of 16-bit inputs at `FORWARD_SPLIT_HEAD_DIMS` (none at
+    present) runs split and everything else padded; ``capability`` is the CUDA device's compute capability
+    major (None off CUDA, e.g. in the interpreter), and a default split forward applies only at
+    `FORWARD_SPLIT_CAPABILITIES` and off CUDA.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
     experimental): every kernel at every head dim of `SPLIT_LAYOUTS` runs split; on Hopper (Triton 3.6) the
-    split dQ and dK/dV kernels hit illegal memory accesses, and can return NaN without an error, under
+    split kernels hit illegal memory accesses, and the backward's can return NaN without an error, under
     concurrent load (docs/flash-attention.md, Section 13); the first such choice in a process warns
     (RuntimeWarning, SPLIT_D_WARNING).  float32 keeps the padded tile in every case (its split kernels faulted).
     The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
@@ -115,9 +117,9 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | No
     return block_d(head_dim), 0
 
 
-SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: split head-dim tiles beyond the default forward at d 80 and 96 are "
-                   "experimental; on Hopper with Triton 3.6 the backward kernels' can hit illegal memory accesses "
-                   "or return NaN without an error (docs/flash-attention.md, Section 13)")
+SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: split head-dim tiles are experimental; on Hopper with Triton 3.6 the "
+                   "split kernels can hit illegal memory accesses, and the backward's return NaN without an error "
+                   "(docs/flash-attention.md, Section 13)")
 _split_warned = False
 
 
