@@ -323,8 +323,9 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     views that descriptors cannot cover) and no Gluon kernel wanted.  The `triton_op`s launch the portable
     kernels only (inductor cannot trace a Gluon kernel, whose launch takes host-side descriptors); the
     custom ops run the same kernels as an eager call, Gluon ones included, at the price of the custom-op
-    dispatch on the host.  The Gluon kernels' size rules keep the models' short sequences (N 512-1024) on
-    the `triton_op`s."""
+    dispatch on the host (their launches replayed, as eager calls' are).  The Gluon kernels' size rules keep
+    the models' short sequences (N 512-1024) on the `triton_op`s at d 64 and 128; at d 80 and 96 the Gluon
+    dK/dV takes N 512 (the 2.7B model), whose calls keep the custom ops."""
     if KERNELS_INTERPRETED:
         return False
     n_queries, d = q.shape[-2:]
