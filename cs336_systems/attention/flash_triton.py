@@ -13,8 +13,8 @@ Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv divid
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
 register tile with the padding columns masked, or in two power-of-two tiles side by side where that saves columns
-(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): the forward at d 80 and 96 by default on Hopper, every
-kernel with CS336_FLASH_SPLIT_D=1 (experimental), none with CS336_FLASH_SPLIT_D=0.
+(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): none by default or with CS336_FLASH_SPLIT_D=0, every
+kernel with CS336_FLASH_SPLIT_D=1 (experimental: the split kernels fault under load on Hopper).
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
 saves Q, K, V, O and L = logsumexp(Q K^T / sqrt(d)) (shape q.shape[:-1], float32).
@@ -42,7 +42,7 @@ are registered operators, chosen once per traced shape (`_inductor_path`):
     Sections 3, 6 and 14); the price is the custom-op dispatch on the host, not device time.
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
 dispatch: at small sizes that dispatch is most of the call.  From the second eager call of a signature
-(shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, the portable kernels'
+(shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, its kernels'
 launches are replayed as the first call recorded them (`kernels/flash_replay`): no validation, no
 configuration lookup, no launcher Python and no Triton JIT binding, only the output allocations and one
 launcher call per kernel (Gluon kernels and TMA descriptors included: a replay rebuilds each descriptor on
@@ -261,7 +261,8 @@ def flash_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attn_fwd; all tensors (Z, H, N, d) with unit stride on d, lse (Z, H, Nq).
     Replayed as flash_attn_fwd is."""
-    return _backward(q, k, v, o, lse, do, is_causal, key=_replay_key("bwd op", is_causal, (q, k, v, o, do)))
+    # lse in the key too: the op's caller may pass any lse (an eager backward's is the forward's fresh output)
+    return _backward(q, k, v, o, lse, do, is_causal, key=_replay_key("bwd op", is_causal, (q, k, v, o, lse, do)))
 
 
 @flash_attn_bwd.register_fake

@@ -181,7 +181,7 @@ def test_split_widths_take_the_padded_widths_tuned_entries(monkeypatch):
             chosen = flash_configs.tuned_sm90(key)
             assert chosen is not None
             assert chosen == flash_configs.tuned_sm90(ShapeKey.of(bh, n, n, padded, torch.bfloat16, True))
-    monkeypatch.delenv("CS336_FLASH_SPLIT_D")  # by default d = 80 is keyed as the padded tile (only its forward runs split)
+    monkeypatch.delenv("CS336_FLASH_SPLIT_D")  # by default d = 80 is keyed as the padded tile
     assert ShapeKey.of(1, 4096, 4096, 80, torch.bfloat16, True) == ShapeKey.of(1, 4096, 4096, 128, torch.bfloat16, True)
 
 

@@ -467,6 +467,7 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(hopper.ENV, raising=False)  # the default rules
         patch.delenv(dkdv_hopper.ENV, raising=False)
+        patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
@@ -522,6 +523,7 @@ def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(hopper.ENV, raising=False)
         patch.delenv(dkdv_hopper.ENV, raising=False)
+        patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
         patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
@@ -536,8 +538,8 @@ def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads
 def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, d):
     """Gluon launches (host-side TMA descriptors) are recorded like the portable ones: with every Hopper
     kernel forced on, the second and third calls of a signature replay the first's launches, with the
-    descriptors rebuilt on the new tensors, and give the ordinary path's outputs bit for bit.  The 2.7B
-    model's shape (d 80, N 512) takes the Hopper dK/dV by default."""
+    descriptors rebuilt on the new tensors, and give the ordinary path's outputs bit for bit (the 2.7B
+    model's shape, d 80 and N 512, among them)."""
     from test_flash_replay import _assert_replays_match_the_ordinary_path
 
     monkeypatch.setenv(hopper.ENV, "1")

@@ -64,8 +64,8 @@ def test_matches_float64_reference(lead, nq, nk, d, is_causal, dtype, seed):
 HEAD_DIMS = [8, 16, 24, 32, 48, 64, 72, 80, 88, 96, 112, 128, 160, 192, 256]
 
 
-# The tile layout and dtype are parameters, not drawn: float32 (padded tiles), fp16 by default (the forward split
-# at d 80 and 96), padded everywhere (CS336_FLASH_SPLIT_D=0) and split everywhere (=1, opt-in); only 16-bit types
+# The tile layout and dtype are parameters, not drawn: float32 (padded tiles), fp16 by default (padded, as with
+# CS336_FLASH_SPLIT_D=0, which is checked as a switch value) and split everywhere (=1, opt-in); only 16-bit types
 # take split tiles.
 @pytest.mark.parametrize("dtype, split_d", [(torch.float32, ""), (torch.float16, ""), (torch.float16, "0"),
                                             (torch.float16, "1")])
