@@ -275,10 +275,10 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
     "1", the measured territory: at least MIN_QUERIES queries (PADDED_MIN_QUERIES at d 80 and 96), no
-    grouped K/V heads, and at least MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs (B·H_kv 1 below N 32768) leave the
-    causal grid unbalanced, where the portable kernel's smaller key blocks do better; at d 256 (one program
-    per SM either way) the Gluon kernel measured faster at every size from N 2048 up.  Shorter sequences and
-    grouped heads (a program sums its whole group; the portable kernel spreads a group over programs,
+    grouped K/V heads, and at least MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs
+    (B·H_kv 1 below N 32768) leave the causal grid unbalanced, where the portable kernel's smaller key blocks
+    do better; at d 256 (one program per SM either way) the Gluon kernel measured faster at every size from
+    N 2048 up.  Shorter sequences and grouped heads (a program sums its whole group; the portable kernel spreads a group over programs,
     `flash_launch.group_splits`) were not measured, so they keep the portable kernel."""
     if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
         return False

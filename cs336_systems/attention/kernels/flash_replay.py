@@ -23,8 +23,8 @@ and box, as it does at every ordinary launch, and the signature fixes all of tho
 A recording is refused (`Recorder.ok` False; the call keeps the ordinary path) when a launch takes an
 argument it cannot replay: a tensor, or a descriptor's base, that is none of the slots (a workspace
 allocated inside the launcher, e.g. the key-split partials, or a view at another address), another object
-built per call, a grid given as a function, a kernel with JIT pre-run hooks, or a kernel still compiling.  Replays also keep Triton's
-launch hooks (profilers) on the ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its
+built per call, a grid given as a function, a kernel with JIT pre-run hooks, or a kernel still compiling.
+Replays also keep Triton's launch hooks (profilers) on the ordinary path: `hooks_idle` must hold.  Triton specializes a kernel on its
 integer arguments (equal to 1, divisible by 16) and on the 16-byte alignment of its pointers; the integers
 are part of the signature, the inputs' alignment is part of the caller's key, and the outputs come from
 PyTorch's allocator, which aligns every block to at least 512 bytes.
