@@ -114,25 +114,16 @@ class Recorder:
         if self.ok:
             self.ok, self.why = False, why
 
-    def _slot(self, t: torch.Tensor) -> int | None:
-        """The first slot with ``t``'s address, dtype, shape and strides (the kernels address a slot through
-        the strides recorded beside it as integers), or None.  Slots that share memory (k is v) are told
-        apart by nothing here: the caller's key must include which slots share an address, so that a replay
-        finds the same sharing."""
-        ptr, dtype, shape, stride = t.data_ptr(), t.dtype, t.shape, t.stride()
+    def _slot(self, t: torch.Tensor, layout: bool = True) -> int | None:
+        """The first slot with ``t``'s address and dtype, and with ``layout`` its shape and strides too (the
+        kernels address a slot through the strides recorded beside it as integers; a descriptor's base, which
+        carries its own shape and strides, may be a view of the slot), or None.  Slots that share memory
+        (k is v) are told apart by nothing here: the caller's key must include which slots share an address,
+        so that a replay finds the same sharing."""
+        ptr, dtype = t.data_ptr(), t.dtype
         for i, s in enumerate(self.slots):
-            if s.data_ptr() == ptr and s.dtype == dtype and s.shape == shape and s.stride() == stride:
-                return i
-        return None
-
-    def _base_slot(self, base) -> int | None:
-        """The first slot at ``base``'s address with its dtype (a descriptor's base may be a view of it), or
-        None."""
-        if not isinstance(base, torch.Tensor):
-            return None
-        ptr, dtype = base.data_ptr(), base.dtype
-        for i, s in enumerate(self.slots):
-            if s.data_ptr() == ptr and s.dtype == dtype:
+            if (s.data_ptr() == ptr and s.dtype == dtype
+                    and (not layout or (s.shape == t.shape and s.stride() == t.stride()))):
                 return i
         return None
 
@@ -157,7 +148,8 @@ class Recorder:
         slot_of, desc_of = [], []
         for position, value in enumerate(values):
             if isinstance(value, _DESCRIPTORS):
-                slot = self._base_slot(value.base)
+                base = value.base
+                slot = self._slot(base, layout=False) if isinstance(base, torch.Tensor) else None
                 if slot is None:
                     self.refuse(f"descriptor {kernel.arg_names[position]} of {_name(kernel)} is not over one of "
                                 "the call's tensors")
