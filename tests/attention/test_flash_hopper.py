@@ -253,6 +253,14 @@ def test_head_dims_below_a_power_of_two_take_wider_tma_boxes():
     assert hopper.descriptor(torch.empty(1, 1, 64, 128, dtype=torch.bfloat16), 64).layout is desc.layout
 
 
+def test_products_over_d_skip_the_padding_at_d80_and_d96_only(monkeypatch):
+    """D_SPLIT (the columns past 64 the kernels' products over d cover): d - 64 at 80 and 96 in their
+    128-wide tiles; 0 (the whole tile) at the powers of two, and everywhere with SLICED_HEAD_DIMS emptied."""
+    assert [hopper.d_split(d) for d in (64, 80, 96, 128, 256)] == [0, 16, 32, 0, 0]
+    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
+    assert [hopper.d_split(d) for d in (80, 96)] == [0, 0]
+
+
 def test_tma_switch_and_bad_switch_values(hopper_machine, monkeypatch):
     monkeypatch.setenv("CS336_FLASH_TMA", "0")  # no descriptors anywhere: these kernels are TMA kernels
     assert not hopper.wanted(128, torch.bfloat16, CUDA)
@@ -509,6 +517,39 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
     for dk, dv in results[1:]:
         assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
     assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("z, heads, nq, nk, d, is_causal", [
+    (4, (32, 32), 512, 512, 80, True),  # the 2.7B model's attention
+    (2, (3, 3), 1000, 1025, 96, False),
+    (2, (3, 3), 17, 1, 80, False),  # one key: the forward's only tile is also its last
+    (2, (3, 3), 1, 1, 96, True),
+    (1, (8, 2), 2048, 2048, 80, True),  # grouped K/V heads
+    (2, (16, 16), 8192, 8192, 96, True),  # long rows: 128 key tiles per dQ program
+])
+def test_gpu_sliced_head_dims_agree_bit_for_bit_with_the_whole_tile(monkeypatch, z, heads, nq, nk, d, is_causal):
+    """At d 80 and 96 the three Gluon kernels compute their products over d in two slices (64 + d - 64
+    columns) instead of the whole 128-wide tile: the skipped columns are zeros, so O, L, delta, dQ, dK and dV
+    must equal the whole tile's bit for bit, and be finite."""
+    assert hopper.d_split(d) == d - 64
+    g = torch.Generator("cuda").manual_seed(nq + d)
+    q, do = (torch.randn(z, nq, heads[0], d, generator=g, device="cuda").bfloat16().transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(z, nk, heads[1], d, generator=g, device="cuda").bfloat16().transpose(1, 2) for _ in range(2))
+    results = []
+    for sliced in (hopper.SLICED_HEAD_DIMS, ()):
+        monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", sliced)
+        o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+        hopper.forward(q, k, v, o, lse, is_causal)
+        dq, delta = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)
+        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)
+        results.append((o, lse, delta, dq, dk, dv))
+    for name, a, b in zip(("o", "lse", "delta", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

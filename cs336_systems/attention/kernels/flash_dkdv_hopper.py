@@ -120,9 +120,10 @@ def _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, tile, n
 def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
                   heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, PART: gl.constexpr,
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
     """One program: BLOCK_N keys of one (z, h_kv).  PART 0 accumulates dK and dV; PART 1 only dV (S^T and
-    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q)."""
+    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q).  D_SPLIT: `flash_fwd_hopper.dot_nt`'s, for
+    S^T and dP^T."""
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
@@ -187,16 +188,23 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = fwd.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
         # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
+        # (dP^T's one group in flight, two when sliced)
         if PART == 0:
-            dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+            dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
+            if D_SPLIT > 0:
+                s_t, dk, dv = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, dk, dv))
+            else:
+                s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
         elif PART == 1:
             s_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dv))
         else:
-            dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_t, dk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk))
+            dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
+            if D_SPLIT > 0:
+                s_t, dk = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, dk))
+            else:
+                s_t, dk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk))
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
                        m_tiles, lo_tile, BLOCK_M, NUM_STAGES)
@@ -246,7 +254,7 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
                              n_q, n_k, heads, kv_heads, group,
                              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PART: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
     """Grid (key blocks, Z * H_kv, 1 or 2).  PART 0: dK and dV in one program; 1: dV only; 2: dK only; 3:
     program_id(2) picks (0: dV, 1: dK), one float32 accumulator per program (d 256)."""
     k_buf, v_buf, kv_bar = fwd.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
@@ -255,15 +263,15 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
     if PART != 3:
         _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
                       heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, PART, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
     elif gl.program_id(2) == 0:
         _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
                       heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 1, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
     else:
         _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
                       heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 2, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)
+                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
 
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -313,6 +321,7 @@ def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int,
         1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
         CAUSAL=causal, HEAD_DIM=fwd.tile_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PART=part,
         num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
+        D_SPLIT=fwd.d_split(d),
     )
 
 

@@ -76,7 +76,8 @@ def tiles(head_dim: int, long_rows: bool = False) -> tuple[int, int, int]:
 def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_oz, stride_oh, stride_on, L, Delta,
                            sm_scale, qk_scale, n_q, n_k, heads, group, head_dim,
                            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+                           D_SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, BLOCK_M, CAUSAL)
 
@@ -85,6 +86,14 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # D_SPLIT > 0: dQ in two accumulators, columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zeros)
+    W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
+    lo_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, 64, 16])
+    hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, W2, 16])
+    lo_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
+    hi_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # a plain blocked layout for the O * dO row sums (16-byte vectors along d)
     rowsum_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
@@ -120,17 +129,25 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     lse = gl.load(L + bh * n_q + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
 
-    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
+    if D_SPLIT > 0:
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, 64], gl.float32, layout=lo_layout))
+        dq_hi = warpgroup_mma_init(gl.zeros([BLOCK_M, W2], gl.float32, layout=hi_layout))
+    else:
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         k_s = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
         v_s = v_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_smem, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = fwd.dot_nt(q_smem, k_s, s_zero, D_SPLIT)
+        dp_tok = fwd.dot_nt(do_smem, v_s, s_zero, D_SPLIT)
         # S done, and so is the previous tile's dQ product: its ring stage takes tile j - 1 + NUM_STAGES
-        s, dq = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dq))
+        # (dP's one group in flight, two when sliced)
+        if D_SPLIT > 0:
+            s, dq, dq_hi = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, dq, dq_hi))
+        else:
+            s, dq = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dq))
         if j > 0:
             fwd.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
                          NUM_STAGES)
@@ -143,13 +160,26 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
             p = gl.where(visible, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_smem, do_smem, k_s, v_s))[0]
         ds = p * (dp - gl.expand_dims(delta, 1))
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_s, dq, is_async=True)
+        if D_SPLIT > 0:
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), lo_op), k_s.slice(0, 64, 1), dq, is_async=True)
+            dq_hi = warpgroup_mma(gl.convert_layout(ds.to(dtype), hi_op), k_s.slice(64, W2, 1), dq_hi,
+                                  is_async=True)
+        else:
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_s, dq, is_async=True)
 
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    if D_SPLIT > 0:
+        dq, dq_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_hi))
+    else:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
     mbarrier.invalidate(qdo_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
-    q_smem.store((dq * sm_scale).to(dtype))  # Q's buffer stages dQ for the TMA store
+    # Q's buffer stages dQ for the TMA store (sliced: its columns past 64 + D_SPLIT keep Q, dropped by the store)
+    if D_SPLIT > 0:
+        q_smem.slice(0, 64, 1).store((dq * sm_scale).to(dtype))
+        q_smem.slice(64, W2, 1).store((dq_hi * sm_scale).to(dtype))
+    else:
+        q_smem.store((dq * sm_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [z, h, start_m, 0], q_buf)
     tma.store_wait(0)
@@ -194,4 +224,5 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
         lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1], d,
         CAUSAL=causal, HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         num_warps=block_m // 16,  # one warpgroup per 64 query rows
+        D_SPLIT=fwd.d_split(d),
     )

@@ -168,9 +168,25 @@ def _softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CA
 
 
 @gluon.jit
+def dot_nt(a_smem, b_smem, zero, D_SPLIT: gl.constexpr):
+    """A B^T issued as asynchronous wgmma (A (M, d) and B (N, d) in shared memory, `zero` the (M, N) float32
+    accumulator to start from); returns its token.  D_SPLIT > 0: over columns [0, 64) and [64, 64 + D_SPLIT)
+    only, as two groups (a wait that must cover this product counts two)."""
+    if D_SPLIT > 0:
+        tok = warpgroup_mma(a_smem.slice(0, 64, 1), b_smem.slice(0, 64, 1).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        tok = warpgroup_mma(a_smem.slice(64, D_SPLIT, 1), b_smem.slice(64, D_SPLIT, 1).permute((1, 0)), tok,
+                            is_async=True)
+    else:
+        tok = warpgroup_mma(a_smem, b_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return tok
+
+
+@gluon.jit
 def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+                            D_SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     bh, z, h, kv_head, start_m = query_tile(heads, group, BLOCK_M, CAUSAL)
 
@@ -207,7 +223,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     # tile 0: its scores and softmax, nothing to overlap with yet
     mbarrier.wait(ready.index(0), 0)
     k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s_tok = warpgroup_mma(q_smem, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = dot_nt(q_smem, k0, s_zero, D_SPLIT)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, False, CAUSAL, BLOCK_M,
@@ -222,7 +238,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
         v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = warpgroup_mma(q_smem, kj.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = dot_nt(q_smem, kj, s_zero, D_SPLIT)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
@@ -339,6 +355,19 @@ def tile_dim(head_dim: int) -> int:
     return max(64, triton.next_power_of_2(head_dim))
 
 
+# Head dims whose products over d skip the 128-wide tile's zero columns: d = 64 + (d - 64) in two K-dim slices
+# of the tile's shared memory (the first 64 columns are one 128-byte swizzle row, so both slices are whole
+# wgmma operands), wgmma's work over d 80 is 80 columns instead of 128.  Bit-equal to the whole tile (the
+# skipped columns are zeros); measured per kernel in docs/flash-attention.md, Section 14.
+SLICED_HEAD_DIMS = (80, 96)
+
+
+def d_split(head_dim: int) -> int:
+    """The kernels' D_SPLIT for a head dim: d - 64 where the products over d run in two slices
+    (`SLICED_HEAD_DIMS` in a 128-wide tile), else 0 (the whole tile)."""
+    return head_dim - 64 if head_dim in SLICED_HEAD_DIMS and tile_dim(head_dim) == 128 else 0
+
+
 def descriptor(t: torch.Tensor, rows: int):
     """A rank-4 TMA descriptor over the (Z, H, N, d) tensor t with (1, 1, rows, tile_dim(d)) boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -362,4 +391,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         descriptor(q, BLOCK_M), descriptor(k, bn), descriptor(v, bn), descriptor(o, BLOCK_M), lse,
         LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=width, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(width), num_warps=8,
+        D_SPLIT=d_split(d),
     )
