@@ -164,6 +164,13 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert not hopper.usable(*qkv(1, 16384, 16384))  # 128 programs
     assert not hopper.usable(*qkv(64, 2048, 2048))  # enough programs, rows too short
     assert not hopper.usable(*qkv(64, 16384, 8192))
+    # d 80 and 96 (products over d in slices) from SLICED_MIN_KEYS keys, with the same program rule
+    q80 = torch.empty(4, 16, 1024, 80, dtype=torch.bfloat16)
+    assert hopper.usable(q80, q80, q80)  # 512 programs
+    assert not hopper.usable(q80[:, :, :512], q80[:, :, :512], q80[:, :, :512])  # the 2.7B model's 512: equal
+    assert not hopper.usable(q80[:1, :8], q80[:1, :8], q80[:1, :8])  # 64 programs
+    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
+    assert not hopper.usable(q80, q80, q80)  # a padded tile needs MIN_KEYS like the others
     monkeypatch.setenv(hopper.ENV, "1")
     assert hopper.usable(*qkv(1, 128, 128))
 
@@ -339,10 +346,11 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     assert calls[4:] == ["portable dq", "hopper dkdv", "hopper dq", "portable dkdv"]
 
 
-def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d256(hopper_machine, monkeypatch):
+def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hopper_machine, monkeypatch):
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     assert dq_hopper.ENV == dkdv_hopper.ENV
     assert dq_hopper.wanted(256, torch.bfloat16, CUDA) and dq_hopper.wanted(256, torch.float16, CUDA)
+    assert dq_hopper.wanted(80, torch.bfloat16, CUDA) and dq_hopper.wanted(96, torch.float16, CUDA)
     assert not dq_hopper.wanted(64, torch.bfloat16, CUDA) and not dq_hopper.wanted(128, torch.bfloat16, CUDA)
     assert not dq_hopper.wanted(256, torch.float32, CUDA)
 
@@ -354,6 +362,9 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d256(hopper_machin
     monkeypatch.setattr(dq_hopper, "wanted", lambda *args: True)
     assert dq_hopper.usable(*qkv(1, 1, 2048)) and dq_hopper.usable(*qkv(8, 2, 4096))
     assert not dq_hopper.usable(*qkv(4, 4, 1024))  # shorter than measured
+    q80 = torch.empty(4, 32, 512, 80, dtype=torch.bfloat16)  # the 2.7B model's attention: from 512 queries
+    assert dq_hopper.usable(q80, q80, q80, q80, q80)
+    assert not dq_hopper.usable(*(q80[:, :, :511],) * 5)
     broadcast = torch.empty(1, 1, 4096, 256, dtype=torch.bfloat16).expand(1, 4, 4096, 256)
     assert not dq_hopper.usable(broadcast, broadcast, broadcast, broadcast, broadcast)
     monkeypatch.setenv(dq_hopper.ENV, "1")

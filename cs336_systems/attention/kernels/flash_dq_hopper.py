@@ -19,9 +19,14 @@ dQ is scaled by 1/sqrt(d) once at the end and leaves through Q's buffer and a TM
 dropped).  Causal programs run longest first; only key tiles that cross the diagonal or the end of the keys
 are masked.  Grouped-query attention: query head h reads K/V head h // group.
 
+At d 80 and 96 (128-wide tiles) S and dP are computed over two K-dim slices of the tiles, 64 and d - 64
+columns, and dQ accumulates in two registers tiles of those widths (`flash_fwd_hopper.dot_nt`): no work on
+the tile's zero columns.
+
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
-float32 accumulator) run at a third of the tensor cores' rate; at d 64 and 128 the portable kernel's
-128-row programs measured faster at long sequences (docs/flash-attention.md, Section 14).
+float32 accumulator) run at a third of the tensor cores' rate, and d 80 and 96 from SLICED_MIN_QUERIES; at d 64
+and 128 the portable kernel's 128-row programs measured faster at long sequences (docs/flash-attention.md,
+Section 14).
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
 flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
@@ -51,8 +56,12 @@ from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 ENV = dkdv_hopper.ENV  # one switch for the backward's Gluon kernels
-DEFAULT_HEAD_DIMS = (256,)
+DEFAULT_HEAD_DIMS = (80, 96, 256)
 MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
+# d 80 and 96 (products over d in slices, `flash_fwd_hopper.SLICED_HEAD_DIMS`): faster than the portable dQ at
+# every length measured from the 2.7B model's context up (H200, causal, CUDA-graph time: -7% at B 4, H 32,
+# N 512; -25% at N 1024-2048; -4% at N 8192; equal at B 1, H 16, N 16384).
+SLICED_MIN_QUERIES = 512
 
 
 # d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
@@ -193,10 +202,11 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h) slices, and, unless ENV is
-    "1", at least MIN_QUERIES queries (shorter sequences were not measured)."""
+    "1", at least MIN_QUERIES queries (SLICED_MIN_QUERIES at d 80 and 96; shorter sequences were not
+    measured)."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
-    return env_switch(ENV) == "1" or n_q >= MIN_QUERIES
+    return env_switch(ENV) == "1" or n_q >= (SLICED_MIN_QUERIES if fwd.d_split(head_dim) else MIN_QUERIES)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:

@@ -61,6 +61,10 @@ DEFAULT_HEAD_DIMS = (80, 96, 128, 256)  # at d 64 the portable forward measured 
 # first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
 # kernel splits keys across programs instead.
 MIN_KEYS = 16384
+# d 80 and 96 with their products over d in slices (SLICED_HEAD_DIMS): faster than the portable forward from
+# 1024 keys (H200, causal, CUDA-graph time, 512-1024 programs: -1.5% at N 1024, -5% at 2048, -11% at 4096 and
+# 8192); equal at the 2.7B model's N 512 (41.6 vs 41.3 us).
+SLICED_MIN_KEYS = 1024
 MIN_PROGRAMS_PER_SM = 1
 # The Gluon API this file is written against; other Triton versions take the portable kernel.
 TRITON_VERSIONS = ("3.6.",)
@@ -322,14 +326,15 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone (what a traced call knows): `wanted` for the head dim, dtype
     and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
-    MIN_KEYS keys and MIN_PROGRAMS_PER_SM programs per SM (measured: 256 programs at B·H 1, N 32768 won, 128
-    at N 16384 lost)."""
+    MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs per SM (measured: 256
+    programs at B·H 1, N 32768 won, 128 at N 16384 lost)."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
     programs = triton.cdiv(n_q, BLOCK_M) * z * heads
-    return n_k >= MIN_KEYS and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
+    min_keys = SLICED_MIN_KEYS if d_split(head_dim) else MIN_KEYS
+    return n_k >= min_keys and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
