@@ -166,9 +166,10 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert not hopper.usable(*qkv(64, 16384, 8192))
     # d 80 and 96 (products over d in slices) from SLICED_MIN_KEYS keys, with the same program rule
     q80 = torch.empty(4, 16, 1024, 80, dtype=torch.bfloat16)
-    assert hopper.usable(q80, q80, q80)  # 512 programs
-    assert not hopper.usable(q80[:, :, :512], q80[:, :, :512], q80[:, :, :512])  # the 2.7B model's 512: equal
-    assert not hopper.usable(q80[:1, :8], q80[:1, :8], q80[:1, :8])  # 64 programs
+    assert hopper.usable(q80, q80, q80)  # 1024 programs of 64 rows
+    assert hopper.usable(q80[:, :, :512], q80[:, :, :512], q80[:, :, :512])  # the 2.7B model's N 512
+    assert not hopper.usable(q80[:, :, :511], q80[:, :, :511], q80[:, :, :511])
+    assert not hopper.usable(q80[:1, :8], q80[:1, :8], q80[:1, :8])  # 128 programs
     monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
     assert not hopper.usable(q80, q80, q80)  # a padded tile needs MIN_KEYS like the others
     monkeypatch.setenv(hopper.ENV, "1")
@@ -239,7 +240,11 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
     use: Q + NUM_STAGES x (K + V) (forward), K + V + stages x (Q + dO) (dK/dV), Q + dO + stages x (K + V) (dQ)."""
     for d in hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        assert 2 * w * (hopper.BLOCK_M + 2 * hopper.stages(w) * hopper.block_n(w)) <= 227 * 1024, d
+        block_m, block_n, stages = hopper.tiles(d)
+        assert 2 * w * (block_m + 2 * stages * block_n) <= 227 * 1024, d
+    # d 80 and 96: two programs per SM (64 x 64 tiles), the others one
+    assert 2 * 128 * (64 + 2 * 3 * 64) <= 227 * 1024 // 2 and hopper.tiles(80) == hopper.tiles(96) == (64, 64, 3)
+    assert hopper.tiles(128) == (128, 128, 3) and hopper.tiles(64) == (128, 128, 3)
     for d in dkdv_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
         for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256, dkdv_hopper.DK_TILES_LONG_256}:

@@ -6,7 +6,8 @@ asynchronous warpgroup MMAs, with the next tile's scores computed while the curr
 Why a second forward: the portable Triton kernel (flash_kernels.flash_fwd_kernel) leaves the order of its two
 matrix products and the softmax to Triton's scheduler, which waits for each warpgroup MMA before the softmax
 that follows it.  Here one program of 8 warps (two warpgroups, 64 query rows each: wgmma's M per warpgroup)
-owns BLOCK_M = 128 query rows of one (z, h) and, per key tile j:
+owns BLOCK_M = 128 query rows of one (z, h) (at d 80 and 96 one warpgroup owns 64, `tiles`) and, per key
+tile j:
 
     S_j = Q K_j^T                (async wgmma, issued first)
     O  = alpha_{j-1} O + P_{j-1} V_{j-1}   (async wgmma, issued second)
@@ -17,6 +18,9 @@ so the exponentials of tile j overlap the tensor-core work of tile j - 1 (FlashA
 overlap).  K and V arrive through a NUM_STAGES-deep ring; a tile's two loads complete one mbarrier.
 Causal programs run longest first (the last query tile sees every key), and only tiles that cross the
 diagonal or the end of the keys are masked.
+
+At d 80 and 96 (128-wide tiles) S is computed over two K-dim slices of the tiles, 64 and d - 64 columns, and
+O accumulates in two register tiles of those widths (`dot_nt`, D_SPLIT): no work on the tile's zero columns.
 
 Descriptors are rank 4 over the (Z, H, N, d) views, so any strides with 16-byte alignment are read in place
 (a head-major view of token-major memory included) and TMA's bounds do the ragged ends: loads past N are
@@ -61,10 +65,10 @@ DEFAULT_HEAD_DIMS = (80, 96, 128, 256)  # at d 64 the portable forward measured 
 # first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
 # kernel splits keys across programs instead.
 MIN_KEYS = 16384
-# d 80 and 96 with their products over d in slices (SLICED_HEAD_DIMS): faster than the portable forward from
-# 1024 keys (H200, causal, CUDA-graph time, 512-1024 programs: -1.5% at N 1024, -5% at 2048, -11% at 4096 and
-# 8192); equal at the 2.7B model's N 512 (41.6 vs 41.3 us).
-SLICED_MIN_KEYS = 1024
+# d 80 and 96 with their products over d in slices (SLICED_HEAD_DIMS) and PADDED_TILES: faster than the portable
+# forward at every length measured (H200, causal, CUDA-graph time: 31.3 vs 41.4 us at the 2.7B model's B 4,
+# H 32, N 512; 80.5 vs 102.3 at B 2, H 16, N 2048; 561 vs 674 at B 1, H 16, N 8192).
+SLICED_MIN_KEYS = 512
 MIN_PROGRAMS_PER_SM = 1
 # The Gluon API this file is written against; other Triton versions take the portable kernel.
 TRITON_VERSIONS = ("3.6.",)
@@ -75,6 +79,22 @@ def block_n(head_dim: int) -> int:
     d 256 O alone is 128 registers a thread, so 32 keys: against 64 keys with two stages (H200, kernel alone,
     causal) 4.38 vs 4.64 ms at B·H 1, N 65536, 0.564 vs 0.647 at N 16384, 0.716 vs 0.713 at B·H 8, N 8192."""
     return 128 if head_dim <= 128 else 32
+
+
+# d 80 and 96 (128-wide tiles, products over d in slices): 64 query rows (one warpgroup) x 64 keys, 3 stages:
+# Q 16 KB + 3 x (K + V) 96 KB, two programs per SM, where 128 x 128 tiles take one.  Measured (H200, causal,
+# CUDA-graph time) against 128 x 128 with 3 stages: B 4, H 32, N 512 (the 2.7B model) 31.3 vs 39.4 us, B 2,
+# H 16, N 2048 80.5 vs 93.9, B 1, H 16, N 8192 561 vs 566; 64 x 128 x 2: 52-146% slower, 64 x 64 x 4 +8-37%.
+PADDED_TILES = (64, 64, 3)
+
+
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages): PADDED_TILES at head dims below
+    their 128-wide tile (80, 96), else BLOCK_M x `block_n` with `stages`.  A program has BLOCK_M / 16 warps."""
+    width = tile_dim(head_dim)
+    if width == 128 and head_dim != width:
+        return PADDED_TILES
+    return BLOCK_M, block_n(width), stages(width)
 
 
 def stages(head_dim: int) -> int:
@@ -194,13 +214,23 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     dtype: gl.constexpr = q_desc.dtype
     bh, z, h, kv_head, start_m = query_tile(heads, group, BLOCK_M, CAUSAL)
 
-    # wgmma accumulators: each warpgroup holds 64 rows of S (BLOCK_M x BLOCK_N) and of O (BLOCK_M x HEAD_DIM)
+    # wgmma accumulators: each warpgroup holds 64 rows of S (BLOCK_M x BLOCK_N) and of O (BLOCK_M x HEAD_DIM);
+    # with D_SPLIT > 0, O in two: columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zero columns)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
+    lo_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, 64, 16])
+    hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, W2, 16])
+    p_lo: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
+    p_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
+    row_lo: gl.constexpr = gl.SliceLayout(1, lo_layout)
+    row_hi: gl.constexpr = gl.SliceLayout(1, hi_layout)
 
     q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -220,7 +250,11 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     # visible to every row, and tile 0 is processed first
     m_i = gl.full([BLOCK_M], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    if D_SPLIT > 0:
+        acc = gl.zeros([BLOCK_M, 64], gl.float32, layout=lo_layout)
+        acc2 = gl.zeros([BLOCK_M, W2], gl.float32, layout=hi_layout)
+    else:
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
 
@@ -243,33 +277,57 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
         kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
         v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
         s_tok = dot_nt(q_smem, kj, s_zero, D_SPLIT)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
+        if D_SPLIT > 0:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_lo), 1)
+            acc2 = acc2 * gl.expand_dims(gl.convert_layout(alpha, row_hi), 1)
+            o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_lo), v_prev.slice(0, 64, 1), acc, is_async=True)
+            o2_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_hi), v_prev.slice(64, W2, 1), acc2,
+                                   is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, kj))[0]
+        else:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, False, CAUSAL,
                                                BLOCK_M, BLOCK_N, s_layout)
         else:
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, True, CAUSAL,
                                                BLOCK_M, BLOCK_N, s_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
+        if D_SPLIT > 0:
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, o2_tok, v_prev))[:2]
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
         # K_{j-1} and V_{j-1} are consumed: their stage takes tile j - 1 + NUM_STAGES
         load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
                  NUM_STAGES)
 
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
+    if D_SPLIT > 0:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_lo), 1)
+        acc2 = acc2 * gl.expand_dims(gl.convert_layout(alpha, row_hi), 1)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_lo), v_last.slice(0, 64, 1), acc, is_async=True)
+        o2_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_hi), v_last.slice(64, W2, 1), acc2, is_async=True)
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, o2_tok, v_last))[:2]
+    else:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    q_smem.store(acc.to(dtype))  # Q's buffer stages O for the TMA store (rows past Nq are dropped by TMA)
+    # Q's buffer stages O for the TMA store (rows past Nq are dropped by TMA; sliced: the columns past
+    # 64 + D_SPLIT keep Q, dropped as well)
+    if D_SPLIT > 0:
+        q_smem.slice(0, 64, 1).store((acc / gl.expand_dims(gl.convert_layout(l_i, row_lo), 1)).to(dtype))
+        q_smem.slice(64, W2, 1).store((acc2 / gl.expand_dims(gl.convert_layout(l_i, row_hi), 1)).to(dtype))
+    else:
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        q_smem.store(acc.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [z, h, start_m, 0], q_buf)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -332,7 +390,7 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
         return False
     if env_switch(ENV) == "1":
         return True
-    programs = triton.cdiv(n_q, BLOCK_M) * z * heads
+    programs = triton.cdiv(n_q, tiles(head_dim)[0]) * z * heads
     min_keys = SLICED_MIN_KEYS if d_split(head_dim) else MIN_KEYS
     return n_k >= min_keys and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
 
@@ -389,12 +447,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
-    width = tile_dim(d)
-    bn = block_n(width)
-    grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
+    bm, bn, ring = tiles(d)
+    grid = (triton.cdiv(n_q, bm), q.shape[0] * heads)
     wrap(flash_fwd_hopper_kernel)[grid](
-        descriptor(q, BLOCK_M), descriptor(k, bn), descriptor(v, bn), descriptor(o, BLOCK_M), lse,
+        descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(o, bm), lse,
         LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
-        CAUSAL=causal, HEAD_DIM=width, BLOCK_M=BLOCK_M, BLOCK_N=bn, NUM_STAGES=stages(width), num_warps=8,
+        CAUSAL=causal, HEAD_DIM=tile_dim(d), BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=ring, num_warps=bm // 16,
         D_SPLIT=d_split(d),
     )
