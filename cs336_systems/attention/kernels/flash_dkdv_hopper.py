@@ -33,7 +33,8 @@ in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256)
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
 shares); bfloat16 and float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles:
-`flash_fwd_hopper.tile_dim`).
+`flash_fwd_hopper.tile_dim`, with S^T and dP^T over two K-dim slices of the tiles, 64 and d - 64 columns,
+`flash_fwd_hopper.dot_nt`, so no work is spent on the tile's zero columns there).
 """
 
 from __future__ import annotations
