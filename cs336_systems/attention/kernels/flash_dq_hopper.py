@@ -90,17 +90,13 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     dtype: gl.constexpr = q_desc.dtype
     bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, BLOCK_M, CAUSAL)
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = fwd.mma_layout(num_warps, BLOCK_N)
+    acc_layout: gl.constexpr = fwd.mma_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # D_SPLIT > 0: dQ in two accumulators, columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zeros)
     W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
-    lo_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, 64, 16])
-    hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, W2, 16])
+    lo_layout: gl.constexpr = fwd.mma_layout(num_warps, 64)
+    hi_layout: gl.constexpr = fwd.mma_layout(num_warps, W2)
     lo_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
     hi_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)

@@ -191,6 +191,13 @@ def _softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CA
     return p, alpha, m_new, l_i
 
 
+@gluon.constexpr_function
+def mma_layout(num_warps, width):
+    """The register layout of a wgmma accumulator `width` columns wide: each of the program's warpgroups
+    holds 64 rows (num_warps / 4 warpgroups stacked along M)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, width, 16])
+
+
 @gluon.jit
 def dot_nt(a_smem, b_smem, zero, D_SPLIT: gl.constexpr):
     """A B^T issued as asynchronous wgmma (A (M, d) and B (N, d) in shared memory, `zero` the (M, N) float32
@@ -216,17 +223,13 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
 
     # wgmma accumulators: each warpgroup holds 64 rows of S (BLOCK_M x BLOCK_N) and of O (BLOCK_M x HEAD_DIM);
     # with D_SPLIT > 0, O in two: columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zero columns)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
-    lo_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, 64, 16])
-    hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, W2, 16])
+    lo_layout: gl.constexpr = mma_layout(num_warps, 64)
+    hi_layout: gl.constexpr = mma_layout(num_warps, W2)
     p_lo: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
     p_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     row_lo: gl.constexpr = gl.SliceLayout(1, lo_layout)
