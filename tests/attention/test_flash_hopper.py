@@ -166,10 +166,13 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert not hopper.usable(*qkv(64, 16384, 8192))
     # d 80 and 96 (products over d in slices) from SLICED_MIN_KEYS keys, with the same program rule
     q80 = torch.empty(4, 16, 1024, 80, dtype=torch.bfloat16)
-    assert hopper.usable(q80, q80, q80)  # 1024 programs of 64 rows
+    assert hopper.usable(q80, q80, q80)
     assert hopper.usable(q80[:, :, :512], q80[:, :, :512], q80[:, :, :512])  # the 2.7B model's N 512
     assert not hopper.usable(q80[:, :, :511], q80[:, :, :511], q80[:, :, :511])
-    assert not hopper.usable(q80[:1, :8], q80[:1, :8], q80[:1, :8])  # 128 programs
+    # programs counted in 128-row units, as measured, though a program there owns 64 rows
+    q17, q9 = (torch.empty(1, h, 1024, 80, dtype=torch.bfloat16) for h in (17, 9))
+    assert hopper.usable(q17, q17, q17)  # 136 units of 128 rows
+    assert not hopper.usable(q9, q9, q9)  # 72 units (144 programs of 64 rows)
     monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
     assert not hopper.usable(q80, q80, q80)  # a padded tile needs MIN_KEYS like the others
     monkeypatch.setenv(hopper.ENV, "1")
@@ -242,8 +245,11 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         w = hopper.tile_dim(d)
         block_m, block_n, stages = hopper.tiles(d)
         assert 2 * w * (block_m + 2 * stages * block_n) <= 227 * 1024, d
-    # d 80 and 96: two programs per SM (64 x 64 tiles), the others one
-    assert 2 * 128 * (64 + 2 * 3 * 64) <= 227 * 1024 // 2 and hopper.tiles(80) == hopper.tiles(96) == (64, 64, 3)
+    # d 80 and 96: two programs per SM (64 x 64 tiles) within the SM's 228 KB less 1 KB reserved per program
+    for d in (80, 96):
+        block_m, block_n, stages = hopper.tiles(d)
+        assert (block_m, block_n, stages) == hopper.PADDED_TILES == (64, 64, 3)
+        assert 2 * (2 * 128 * (block_m + 2 * stages * block_n) + 1024) <= 228 * 1024, d
     assert hopper.tiles(128) == (128, 128, 3) and hopper.tiles(64) == (128, 128, 3)
     for d in dkdv_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
@@ -370,6 +376,10 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hoppe
     q80 = torch.empty(4, 32, 512, 80, dtype=torch.bfloat16)  # the 2.7B model's attention: from 512 queries
     assert dq_hopper.usable(q80, q80, q80, q80, q80)
     assert not dq_hopper.usable(*(q80[:, :, :511],) * 5)
+    long80 = torch.empty(1, 1, 32768, 80, dtype=torch.bfloat16)  # beyond SLICED_MAX_QUERIES: not measured
+    assert dq_hopper.usable(*(long80[:, :, :16384],) * 5) and not dq_hopper.usable(*(long80,) * 5)
+    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())  # whole 128-wide tiles: slower, never by default
+    assert not dq_hopper.usable(*(long80[:, :, :4096],) * 5)
     broadcast = torch.empty(1, 1, 4096, 256, dtype=torch.bfloat16).expand(1, 4, 4096, 256)
     assert not dq_hopper.usable(broadcast, broadcast, broadcast, broadcast, broadcast)
     monkeypatch.setenv(dq_hopper.ENV, "1")
@@ -401,7 +411,7 @@ def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
     monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: True)
     seen = set()
     for z, h, hkv, n, d in [(1, 8, 8, 16384, 128), (1, 1, 1, 16384, 128), (2, 4, 4, 2048, 256), (4, 25, 25, 512, 64),
-                            (1, 8, 2, 32768, 256), (1, 16, 16, 16384, 64)]:
+                            (1, 8, 2, 32768, 256), (1, 16, 16, 16384, 64), (4, 32, 32, 512, 80), (1, 8, 8, 256, 96)]:
         q = torch.empty(z, h, n, d, dtype=torch.bfloat16)
         k = torch.empty(z, hkv, n, d, dtype=torch.bfloat16)
         sizes = (z, h, hkv, n, n, d, q.dtype, q.device)

@@ -11,7 +11,7 @@ One program of one warpgroup (4 warps) owns BLOCK_N = 64 keys of one (z, h_kv) (
 resident in shared memory and dK, dV accumulating in registers, and walks the query tiles (BLOCK_M rows) of
 every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA ring.  Per query tile t:
 
-    S^T = K Q_t^T,  dP^T = V dO_t^T                 (two async wgmma groups, issued back to back)
+    S^T = K Q_t^T,  dP^T = V dO_t^T                 (async wgmma groups, issued back to back)
     wait for S^T (dP^T still running; dK/dV of tile t - 1 are then done too, freeing their ring stage)
     P^T = exp2(S^T * log2(e)/sqrt(d) - L_t * log2(e)), masked       (overlaps dP^T)
     wait for dP^T;  dS^T = P^T * (dP^T - delta_t)
@@ -34,7 +34,8 @@ in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256)
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
 shares); bfloat16 and float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles:
 `flash_fwd_hopper.tile_dim`, with S^T and dP^T over two K-dim slices of the tiles, 64 and d - 64 columns,
-`flash_fwd_hopper.dot_nt`, so no work is spent on the tile's zero columns there).
+`flash_fwd_hopper.dot_nt`; dK and dV keep 128-wide accumulators, so their products still run over the tile's
+zero columns).
 """
 
 from __future__ import annotations

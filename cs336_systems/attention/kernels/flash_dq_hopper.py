@@ -9,7 +9,7 @@ resident in shared memory and dQ accumulating in registers, and walks the key ti
 arrive through a NUM_STAGES-deep TMA ring.  First delta = rowsum(O * dO) for its rows (O by pointer loads
 while the TMA loads land; stored for dK/dV), then per key tile j:
 
-    S = Q K_j^T,  dP = dO V_j^T                     (two async wgmma groups, issued back to back)
+    S = Q K_j^T,  dP = dO V_j^T                     (async wgmma groups, issued back to back)
     wait for S (dP still running; the previous tile's dQ product is then done too, freeing its ring stage)
     P = exp2(S * log2(e)/sqrt(d) - L * log2(e)), masked              (overlaps dP)
     wait for dP;  dS = P * (dP - delta)
@@ -20,11 +20,12 @@ dropped).  Causal programs run longest first; only key tiles that cross the diag
 are masked.  Grouped-query attention: query head h reads K/V head h // group.
 
 At d 80 and 96 (128-wide tiles) S and dP are computed over two K-dim slices of the tiles, 64 and d - 64
-columns, and dQ accumulates in two registers tiles of those widths (`flash_fwd_hopper.dot_nt`): no work on
+columns, and dQ accumulates in two register tiles of those widths (`flash_fwd_hopper.dot_nt`): no work on
 the tile's zero columns.
 
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
-float32 accumulator) run at a third of the tensor cores' rate, and d 80 and 96 from SLICED_MIN_QUERIES; at d 64
+float32 accumulator) run at a third of the tensor cores' rate, and d 80 and 96 from SLICED_MIN_QUERIES to
+SLICED_MAX_QUERIES; at d 64
 and 128 the portable kernel's 128-row programs measured faster at long sequences (docs/flash-attention.md,
 Section 14).
 
@@ -62,6 +63,9 @@ MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
 # every length measured from the 2.7B model's context up (H200, causal, CUDA-graph time: -7% at B 4, H 32,
 # N 512; -25% at N 1024-2048; -4% at N 8192; equal at B 1, H 16, N 16384).
 SLICED_MIN_QUERIES = 512
+# ... up to the longest rows measured with slices; before them the whole-tile kernel lost at B·H 1, N 65536
+# (+17%), so longer rows keep the portable dQ.
+SLICED_MAX_QUERIES = 16384
 
 
 # d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
@@ -198,11 +202,16 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h) slices, and, unless ENV is
-    "1", at least MIN_QUERIES queries (SLICED_MIN_QUERIES at d 80 and 96; shorter sequences were not
-    measured)."""
+    "1", the measured territory: at least MIN_QUERIES queries at a power-of-two head dim; at d 80 and 96
+    SLICED_MIN_QUERIES to SLICED_MAX_QUERIES with the products sliced (`flash_fwd_hopper.d_split`), never
+    with whole tiles (slower than the portable kernel at N 8192 and 65536)."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
-    return env_switch(ENV) == "1" or n_q >= (SLICED_MIN_QUERIES if fwd.d_split(head_dim) else MIN_QUERIES)
+    if env_switch(ENV) == "1":
+        return True
+    if fwd.d_split(head_dim):
+        return SLICED_MIN_QUERIES <= n_q <= SLICED_MAX_QUERIES
+    return fwd.tile_dim(head_dim) == head_dim and n_q >= MIN_QUERIES
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:

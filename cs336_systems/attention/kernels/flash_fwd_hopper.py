@@ -11,7 +11,7 @@ tile j:
 
     S_j = Q K_j^T                (async wgmma, issued first)
     O  = alpha_{j-1} O + P_{j-1} V_{j-1}   (async wgmma, issued second)
-    wait for S_j only (one group left in flight), softmax of S_j -> P_j, alpha_j, (m, l)
+    wait for S_j only (P V left in flight), softmax of S_j -> P_j, alpha_j, (m, l)
     wait for P_{j-1} V_{j-1}; its stage of the K/V ring is free: TMA-load tile j - 1 + NUM_STAGES into it
 
 so the exponentials of tile j overlap the tensor-core work of tile j - 1 (FlashAttention-3's intra-warpgroup
@@ -66,8 +66,8 @@ DEFAULT_HEAD_DIMS = (80, 96, 128, 256)  # at d 64 the portable forward measured 
 # kernel splits keys across programs instead.
 MIN_KEYS = 16384
 # d 80 and 96 with their products over d in slices (SLICED_HEAD_DIMS) and PADDED_TILES: faster than the portable
-# forward at every length measured (H200, causal, CUDA-graph time: 31.3 vs 41.4 us at the 2.7B model's B 4,
-# H 32, N 512; 80.5 vs 102.3 at B 2, H 16, N 2048; 561 vs 674 at B 1, H 16, N 8192).
+# forward at every length measured (H200, causal, CUDA-graph time, one probe: 31.3 vs 41.4 us at the 2.7B
+# model's B 4, H 32, N 512; 80.5 vs 102.3 at B 2, H 16, N 2048; 561 vs 674 at B 1, H 16, N 8192).
 SLICED_MIN_KEYS = 512
 MIN_PROGRAMS_PER_SM = 1
 # The Gluon API this file is written against; other Triton versions take the portable kernel.
@@ -90,7 +90,9 @@ PADDED_TILES = (64, 64, 3)
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages): PADDED_TILES at head dims below
-    their 128-wide tile (80, 96), else BLOCK_M x `block_n` with `stages`.  A program has BLOCK_M / 16 warps."""
+    their 128-wide tile (80, 96), with or without SLICED_HEAD_DIMS (the GPU test compares the sliced and
+    whole-tile products at these tiles), else BLOCK_M x `block_n` with `stages`.  A program has BLOCK_M / 16
+    warps."""
     width = tile_dim(head_dim)
     if width == 128 and head_dim != width:
         return PADDED_TILES
@@ -387,13 +389,14 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
          device: torch.device) -> bool:
     """`usable` from the problem's sizes alone (what a traced call knows): `wanted` for the head dim, dtype
     and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
-    MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs per SM (measured: 256
-    programs at B·H 1, N 32768 won, 128 at N 16384 lost)."""
+    MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs of 128 query rows per SM
+    (measured: 256 programs at B·H 1, N 32768 won, 128 at N 16384 lost; the 64-row tiles at d 80 / 96 were
+    measured with 512 or more such units)."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
-    programs = triton.cdiv(n_q, tiles(head_dim)[0]) * z * heads
+    programs = triton.cdiv(n_q, BLOCK_M) * z * heads  # 128-row units at every tile size: the rule's measured unit
     min_keys = SLICED_MIN_KEYS if d_split(head_dim) else MIN_KEYS
     return n_k >= min_keys and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
 
