@@ -25,9 +25,8 @@ the tile's zero columns.
 
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
 float32 accumulator) run at a third of the tensor cores' rate, and d 80 and 96 from SLICED_MIN_QUERIES to
-SLICED_MAX_QUERIES; at d 64
-and 128 the portable kernel's 128-row programs measured faster at long sequences (docs/flash-attention.md,
-Section 14).
+SLICED_MAX_QUERIES; at d 64 and 128 the portable kernel's 128-row programs measured faster at long sequences
+(docs/flash-attention.md, Section 14).
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
 flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and

@@ -84,7 +84,8 @@ def block_n(head_dim: int) -> int:
 # d 80 and 96 (128-wide tiles, products over d in slices): 64 query rows (one warpgroup) x 64 keys, 3 stages:
 # Q 16 KB + 3 x (K + V) 96 KB, two programs per SM, where 128 x 128 tiles take one.  Measured (H200, causal,
 # CUDA-graph time) against 128 x 128 with 3 stages: B 4, H 32, N 512 (the 2.7B model) 31.3 vs 39.4 us, B 2,
-# H 16, N 2048 80.5 vs 93.9, B 1, H 16, N 8192 561 vs 566; 64 x 128 x 2: 52-146% slower, 64 x 64 x 4 +8-37%.
+# H 16, N 2048 80.5 vs 93.9, B 1, H 16, N 8192, d 96 561 vs 566.  64 x 128 x 2: +31 to +79% (-16% at B 2, H 3,
+# N 1000, not causal); 64 x 64 x 4: +9 to +20%.
 PADDED_TILES = (64, 64, 3)
 
 
