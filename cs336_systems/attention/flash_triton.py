@@ -26,10 +26,9 @@ On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instea
 asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`), dQ at
 d 80, 96 and 256 (`kernels/flash_dq_hopper`) and dK/dV at d 64, 80, 96, 128 and 256
 (`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
-faster; same inputs and outputs, same saved L and
-delta; eager calls and the custom ops only (`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) /
-``CS336_FLASH_HOPPER_BWD`` (dQ and dK/dV): ``0`` never, ``1`` wherever the inputs allow
-(docs/flash-attention.md, Section 14).
+faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
+(`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) / ``CS336_FLASH_HOPPER_BWD`` (dQ and dK/dV): ``0``
+never, ``1`` wherever the inputs allow (docs/flash-attention.md, Section 14).
 
 Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
 are registered operators, chosen once per traced shape (`_inductor_path`):

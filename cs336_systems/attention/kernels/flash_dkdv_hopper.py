@@ -127,6 +127,7 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
     P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q).  D_SPLIT: `flash_fwd_hopper.dot_nt`'s, for
     S^T and dP^T."""
     dtype: gl.constexpr = q_desc.dtype
+    DP_GROUPS: gl.constexpr = 2 if D_SPLIT > 0 else 1  # wgmma groups of dP^T (`flash_fwd_hopper.dot_nt`)
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
     z = zh // kv_heads
@@ -190,21 +191,15 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = fwd.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
         # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
-        # (dP^T's one group in flight, two when sliced)
+        # (dP^T left in flight)
         if PART == 0:
             dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
-            if D_SPLIT > 0:
-                s_t, dk, dv = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, dk, dv))
-            else:
-                s_t, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk, dv))
+            s_t, dk, dv = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk, dv))
         elif PART == 1:
             s_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dv))
         else:
             dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
-            if D_SPLIT > 0:
-                s_t, dk = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, dk))
-            else:
-                s_t, dk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dk))
+            s_t, dk = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk))
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
                        m_tiles, lo_tile, BLOCK_M, NUM_STAGES)

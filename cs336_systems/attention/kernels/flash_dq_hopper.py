@@ -98,10 +98,6 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # D_SPLIT > 0: dQ in two accumulators, columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zeros)
     W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
-    lo_layout: gl.constexpr = fwd.mma_layout(num_warps, 64)
-    hi_layout: gl.constexpr = fwd.mma_layout(num_warps, W2)
-    lo_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
-    hi_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # a plain blocked layout for the O * dO row sums (16-byte vectors along d)
     rowsum_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
@@ -138,8 +134,8 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     lse = gl.load(L + bh * n_q + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
 
     if D_SPLIT > 0:
-        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, 64], gl.float32, layout=lo_layout))
-        dq_hi = warpgroup_mma_init(gl.zeros([BLOCK_M, W2], gl.float32, layout=hi_layout))
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, 64], gl.float32, layout=fwd.mma_layout(num_warps, 64)))
+        dq_hi = warpgroup_mma_init(gl.zeros([BLOCK_M, W2], gl.float32, layout=fwd.mma_layout(num_warps, W2)))
     else:
         dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -169,9 +165,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_smem, do_smem, k_s, v_s))[0]
         ds = p * (dp - gl.expand_dims(delta, 1))
         if D_SPLIT > 0:
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), lo_op), k_s.slice(0, 64, 1), dq, is_async=True)
-            dq_hi = warpgroup_mma(gl.convert_layout(ds.to(dtype), hi_op), k_s.slice(64, W2, 1), dq_hi,
-                                  is_async=True)
+            dq, dq_hi = fwd.dot_split_n(ds.to(dtype), k_s, dq, dq_hi, D_SPLIT)
         else:
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_s, dq, is_async=True)
 

@@ -217,6 +217,30 @@ def dot_nt(a_smem, b_smem, zero, D_SPLIT: gl.constexpr):
 
 
 @gluon.jit
+def dot_split_n(a, b_smem, acc, acc_hi, D_SPLIT: gl.constexpr):
+    """acc += A B[:, 0:64] and acc_hi += A B[:, 64:64 + D_SPLIT] issued as two asynchronous wgmma groups (A in
+    registers, converted to each accumulator's operand layout; B (K, N) in shared memory); returns the two
+    tokens.  The N-dim counterpart of `dot_nt`'s slices: no columns for the tile's zeros."""
+    lo_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    hi_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_hi.type.layout, k_width=2)
+    tok = warpgroup_mma(gl.convert_layout(a, lo_op), b_smem.slice(0, 64, 1), acc, is_async=True)
+    tok_hi = warpgroup_mma(gl.convert_layout(a, hi_op), b_smem.slice(64, D_SPLIT, 1), acc_hi, is_async=True)
+    return tok, tok_hi
+
+
+@gluon.jit
+def _rescaled(acc, alpha):
+    """acc with each row scaled by alpha's entry (alpha in any row layout)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
+def _normalized(acc, l_i):
+    """acc with each row divided by l_i's entry (l_i in any row layout)."""
+    return acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
 def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
@@ -229,14 +253,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
     o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
-    lo_layout: gl.constexpr = mma_layout(num_warps, 64)
-    hi_layout: gl.constexpr = mma_layout(num_warps, W2)
-    p_lo: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=lo_layout, k_width=2)
-    p_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
-    row_lo: gl.constexpr = gl.SliceLayout(1, lo_layout)
-    row_hi: gl.constexpr = gl.SliceLayout(1, hi_layout)
 
     q_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -257,8 +274,8 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     m_i = gl.full([BLOCK_M], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     if D_SPLIT > 0:
-        acc = gl.zeros([BLOCK_M, 64], gl.float32, layout=lo_layout)
-        acc2 = gl.zeros([BLOCK_M, W2], gl.float32, layout=hi_layout)
+        acc = gl.zeros([BLOCK_M, 64], gl.float32, layout=mma_layout(num_warps, 64))
+        acc2 = gl.zeros([BLOCK_M, W2], gl.float32, layout=mma_layout(num_warps, W2))
     else:
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -284,16 +301,11 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
         v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
         s_tok = dot_nt(q_smem, kj, s_zero, D_SPLIT)
         if D_SPLIT > 0:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_lo), 1)
-            acc2 = acc2 * gl.expand_dims(gl.convert_layout(alpha, row_hi), 1)
-            o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_lo), v_prev.slice(0, 64, 1), acc, is_async=True)
-            o2_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_hi), v_prev.slice(64, W2, 1), acc2,
-                                   is_async=True)
+            o_tok, o2_tok = dot_split_n(p.to(dtype), v_prev, _rescaled(acc, alpha), _rescaled(acc2, alpha), D_SPLIT)
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, kj))[0]
         else:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_prev, _rescaled(acc, alpha), is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, False, CAUSAL,
@@ -312,15 +324,11 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
     if D_SPLIT > 0:
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_lo), 1)
-        acc2 = acc2 * gl.expand_dims(gl.convert_layout(alpha, row_hi), 1)
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_lo), v_last.slice(0, 64, 1), acc, is_async=True)
-        o2_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_hi), v_last.slice(64, W2, 1), acc2, is_async=True)
+        o_tok, o2_tok = dot_split_n(p.to(dtype), v_last, _rescaled(acc, alpha), _rescaled(acc2, alpha), D_SPLIT)
         acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, o2_tok, v_last))[:2]
     else:
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_last, _rescaled(acc, alpha), is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
 
     mbarrier.invalidate(q_bar)
@@ -329,11 +337,10 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     # Q's buffer stages O for the TMA store (rows past Nq are dropped by TMA; sliced: the columns past
     # 64 + D_SPLIT keep Q, dropped as well)
     if D_SPLIT > 0:
-        q_smem.slice(0, 64, 1).store((acc / gl.expand_dims(gl.convert_layout(l_i, row_lo), 1)).to(dtype))
-        q_smem.slice(64, W2, 1).store((acc2 / gl.expand_dims(gl.convert_layout(l_i, row_hi), 1)).to(dtype))
+        q_smem.slice(0, 64, 1).store(_normalized(acc, l_i).to(dtype))
+        q_smem.slice(64, W2, 1).store(_normalized(acc2, l_i).to(dtype))
     else:
-        acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        q_smem.store(acc.to(dtype))
+        q_smem.store(_normalized(acc, l_i).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [z, h, start_m, 0], q_buf)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
