@@ -36,10 +36,11 @@ are registered operators, chosen once per traced shape (`_inductor_path`):
     `wrap_triton` wherever no TMA descriptor is wanted (the shape's configuration loads K/V with pointers,
     K/V are strided views, a pre-Hopper GPU or CS336_FLASH_TMA=0): inductor traces them into its graph and
     launches the kernels with its own launcher, so a call pays no custom-op dispatch or Triton JIT binding;
-  * `torch.library.custom_op`s (cs336::flash_attn_fwd / _bwd) with fake (shape-only) implementations where
-    descriptors are wanted or a Gluon kernel would run (its `fits` rule): on Hopper those launches take
-    host-side TMA descriptors, which torch 2.11 cannot trace inside a `triton_op` (docs/flash-attention.md,
-    Sections 3, 6 and 14); the price is the custom-op dispatch on the host, not device time.
+  * opaque operators (cs336::flash_attn_fwd / _bwd, a `torch.library.Library` fragment with fake (shape-only)
+    kernels) where descriptors are wanted or a Gluon kernel would run (its `fits` rule): on Hopper those
+    launches take host-side TMA descriptors, which torch 2.11 cannot trace inside a `triton_op`
+    (docs/flash-attention.md, Sections 3, 6 and 14); the price is the operators' dispatch and Python on the
+    host, not device time.
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
 dispatch: at small sizes that dispatch is most of the call.  From the second eager call of a signature
 (shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, its kernels'
@@ -241,33 +242,46 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     return dq, dk, dv
 
 
-@torch.library.custom_op("cs336::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (Z, H, Nq, d), k, v: (Z, H_kv, Nk, d), unit stride on d -> (o like q, L (Z, H, Nq) float32).
-    Replayed like an eager call (`_replay_key`: a compiled graph runs it on plain tensors), under a
-    signature of its own ("fwd op": it never tunes, where an eager call may)."""
+    """The op cs336::flash_attn_fwd: q (Z, H, Nq, d), k, v (Z, H_kv, Nk, d), unit stride on d -> (o like q,
+    L (Z, H, Nq) float32).  Replayed like an eager call (`_replay_key`: a compiled graph runs it on plain
+    tensors), under a signature of its own ("fwd op": it never tunes, where an eager call may)."""
     return _forward(q, k, v, is_causal, key=_replay_key("fwd op", is_causal, (q, k, v)))
 
 
-@flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, is_causal):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("cs336::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of flash_attn_fwd; all tensors (Z, H, N, d) with unit stride on d, lse (Z, H, Nq).
-    Replayed as flash_attn_fwd is."""
+    """The op cs336::flash_attn_bwd, gradients of flash_attn_fwd: all tensors (Z, H, N, d) with unit stride on
+    d, lse (Z, H, Nq).  Replayed as flash_attn_fwd is."""
     # lse in the key too: the op's caller may pass any lse (an eager backward's is the forward's fresh output)
     return _backward(q, k, v, o, lse, do, is_causal, key=_replay_key("bwd op", is_causal, (q, k, v, o, lse, do)))
 
 
-@flash_attn_bwd.register_fake
 def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# Registered as a `torch.library.Library` fragment (schema, a kernel per device type, a fake kernel), not
+# with `torch.library.custom_op`: a compiled graph calls these ops on every attention call, and custom_op's
+# Python wrappers (an autograd kernel, an aliasing check of the outputs) cost more host time than the ops'
+# own Python (docs/flash-attention.md, Section 13).  The ops need no autograd kernel: they run inside
+# `FlashAttentionTriton`, whose backward calls flash_attn_bwd, and compiled graphs call them with grad off.
+# Outputs are fresh tensors (no aliasing, no mutation), as the schemas say.  CPU: the interpreter's tensors.
+_LIBRARY = torch.library.Library("cs336", "FRAGMENT")
+_LIBRARY.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)")
+_LIBRARY.define("flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal)"
+                " -> (Tensor, Tensor, Tensor)")
+for _dispatch_key in ("CUDA", "CPU"):
+    _LIBRARY.impl("flash_attn_fwd", flash_attn_fwd, _dispatch_key)
+    _LIBRARY.impl("flash_attn_bwd", flash_attn_bwd, _dispatch_key)
+torch.library.register_fake("cs336::flash_attn_fwd", _flash_attn_fwd_fake, lib=_LIBRARY)
+torch.library.register_fake("cs336::flash_attn_bwd", _flash_attn_bwd_fake, lib=_LIBRARY)
 
 
 # The same two operators for problems whose tile configurations stream K and V with pointer loads (no TMA

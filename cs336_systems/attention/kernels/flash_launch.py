@@ -8,7 +8,7 @@ applied to each kernel before launching it: the identity, the autotuner's compil
 `torch.library.wrap_triton`, or a `flash_replay.Recorder` (an eager call's first launch of its signature).
 
 On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
-descriptors are built per call, so the registered ops that launch them are opaque `custom_op`s (torch 2.11's
+descriptors are built per call, so the registered ops that launch them are opaque operators (torch 2.11's
 `triton_op` tracing cannot bind a descriptor argument under torch.compile).
 
 The softmax scales are constexprs: inductor passes Python floats to user kernels as fp64 scalars,
