@@ -713,6 +713,22 @@ def test_registered_ops_match_the_eager_fast_path():
     assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path
 
 
+def test_registered_ops_pass_torch_library_opcheck():
+    """The ops' schemas and fake kernels agree with what the real kernels return (shapes, strides, dtypes, no
+    aliasing), as torch.compile relies on; token-major views and grouped-query K/V included.  No autograd
+    registration is checked: the ops run inside FlashAttentionTriton, which supplies the derivative."""
+    q, k, v = (t.detach() for t in random_qkv((2, 4), 48, 40, 16, torch.float32, DEVICE, seed=3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()  # 4 query heads on 2 K/V heads
+    qt = token_major_view(2, 4, 48, 16, torch.float32, seed=4, device=DEVICE).detach()
+    for query in (q, qt):
+        torch.library.opcheck(torch.ops.cs336.flash_attn_fwd.default, (query, k, v, True),
+                              test_utils=("test_schema", "test_faketensor"))
+        o, lse = torch.ops.cs336.flash_attn_fwd(query, k, v, True)
+        do = torch.randn_like(o)
+        torch.library.opcheck(torch.ops.cs336.flash_attn_bwd.default, (query, k, v, o, lse, do, False),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def test_backward_is_two_launches_dq_first():
     """The preprocess D = rowsum(O * dO) runs in the dQ kernel's prologue: the backward launches the dQ
     kernel and then the dK/dV kernel, which reads the D that dQ stored (each launch is host time that small
