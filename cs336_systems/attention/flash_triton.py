@@ -55,8 +55,9 @@ graph (``torch.no_grad()``, or no input requiring grad): those skip the autograd
 Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
 table in `flash_configs`, or a default); launchers live in `flash_launch`.
 
-Double backward (``create_graph=True`` through this op) raises a RuntimeError in eager mode (under
-torch.compile, AOTAutograd rejects double backward itself): the kernels' gradients carry no graph.
+Double backward (``create_graph=True`` through this op) raises a RuntimeError, for eager calls and for calls
+under a dispatch mode (under torch.compile, AOTAutograd rejects double backward itself): the kernels'
+gradients carry no graph.
 
 On a CPU tensor the kernels only run under Triton's interpreter (TRITON_INTERPRET=1 set before this
 module is imported); otherwise a ValueError says so.  The interpreter's bf16 ``tl.dot`` is wrong (errors of
@@ -269,14 +270,18 @@ def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal):
 
 # Registered as a `torch.library.Library` fragment (schema, a kernel per device type, a fake kernel), not
 # with `torch.library.custom_op`: a compiled graph calls these ops on every attention call, and custom_op's
-# Python wrappers (an autograd kernel, an aliasing check of the outputs) cost more host time than the ops'
-# own Python (docs/flash-attention.md, Section 13).  The ops need no autograd kernel: they run inside
-# `FlashAttentionTriton`, whose backward calls flash_attn_bwd, and compiled graphs call them with grad off.
-# Outputs are fresh tensors (no aliasing, no mutation), as the schemas say.  CPU: the interpreter's tensors.
+# Python wrappers (an autograd kernel, an aliasing check of the outputs) added ~11 µs a call at the 2.7B
+# shape, a third of the forward op's host time (docs/flash-attention.md, Section 13).  The ops are internal
+# and not differentiable themselves (no autograd kernel): they run inside `FlashAttentionTriton`, whose
+# backward calls flash_attn_bwd and refuses double backward, and compiled graphs call them with grad off.
+# Outputs are fresh tensors (no aliasing, no mutation), as the schemas say; pt2_compliant_tag, as custom_op
+# sets, lets them run under dynamo's only_allow_pt2_compliant_ops.  CPU: the interpreter's tensors.
+# The module registers them once per process: loading its file a second time under another name fails.
 _LIBRARY = torch.library.Library("cs336", "FRAGMENT")
-_LIBRARY.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)")
+_LIBRARY.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
+                tags=(torch.Tag.pt2_compliant_tag,))
 _LIBRARY.define("flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal)"
-                " -> (Tensor, Tensor, Tensor)")
+                " -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
 for _dispatch_key in ("CUDA", "CPU"):
     _LIBRARY.impl("flash_attn_fwd", flash_attn_fwd, _dispatch_key)
     _LIBRARY.impl("flash_attn_bwd", flash_attn_bwd, _dispatch_key)
@@ -468,14 +473,16 @@ class FlashAttentionTriton(torch.autograd.Function):
         q4 = _as_4d(q)
         lse4 = lse if lse.dim() == 3 else lse.reshape(q4.shape[:-1])
         args = (q4, _as_4d(k), _as_4d(v), _as_4d(o), lse4, _as_4d(grad_out), ctx.is_causal)
+        if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and any(t.requires_grad for t in (q, k, v, grad_out))):
+            # create_graph=True: the kernels' results would carry no graph, so a second derivative through
+            # attention would silently be zero.  Checked on every path, the registered ops' included (a
+            # dispatch mode such as FlopCounterMode sends an eager call there): they have no autograd kernel.
+            raise RuntimeError(
+                "flash-triton does not support double backward: its backward ran with create_graph=True "
+                "and its gradients would not be differentiable; use the 'naive' attention for "
+                "higher-order gradients")
         if _eager(grad_out):
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_out)):
-                # create_graph=True: the kernels' results would carry no graph, so a second derivative
-                # through attention would silently be zero
-                raise RuntimeError(
-                    "flash-triton does not support double backward: its backward ran with create_graph=True "
-                    "and its gradients would not be differentiable; use the 'naive' attention for "
-                    "higher-order gradients")
             key = None if ctx.key is None else _replay_key("bwd", ctx.is_causal, args[:4] + args[5:6])
             dq, dk, dv = _backward(*args, key=key)
         elif ctx.inductor:

@@ -713,20 +713,39 @@ def test_registered_ops_match_the_eager_fast_path():
     assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path
 
 
-def test_registered_ops_pass_torch_library_opcheck():
-    """The ops' schemas and fake kernels agree with what the real kernels return (shapes, strides, dtypes, no
-    aliasing), as torch.compile relies on; token-major views and grouped-query K/V included.  No autograd
-    registration is checked: the ops run inside FlashAttentionTriton, which supplies the derivative."""
-    q, k, v = (t.detach() for t in random_qkv((2, 4), 48, 40, 16, torch.float32, DEVICE, seed=3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_registered_ops_pass_torch_library_opcheck(dtype):
+    """The ops' schemas and fake kernels agree with what the real kernels return (shapes, strides, dtypes
+    (L float32 whatever the inputs), no aliasing), as torch.compile relies on; token-major q, k, v views and
+    grouped-query K/V included.  No autograd registration is checked: the ops run inside FlashAttentionTriton,
+    which supplies the derivative."""
+    tests = ("test_schema", "test_faketensor")
+    q, k, v = (t.detach() for t in random_qkv((2, 4), 48, 40, 16, dtype, DEVICE, seed=3))
     k, v = k[:, :2].contiguous(), v[:, :2].contiguous()  # 4 query heads on 2 K/V heads
-    qt = token_major_view(2, 4, 48, 16, torch.float32, seed=4, device=DEVICE).detach()
-    for query in (q, qt):
-        torch.library.opcheck(torch.ops.cs336.flash_attn_fwd.default, (query, k, v, True),
-                              test_utils=("test_schema", "test_faketensor"))
-        o, lse = torch.ops.cs336.flash_attn_fwd(query, k, v, True)
+    qt, kt, vt = (token_major_view(2, h, n, 16, dtype, seed=4 + h, device=DEVICE).detach()
+                  for h, n in ((4, 48), (2, 40), (2, 40)))
+    for query, key, value in ((q, k, v), (qt, kt, vt)):
+        torch.library.opcheck(torch.ops.cs336.flash_attn_fwd.default, (query, key, value, True), test_utils=tests)
+        o, lse = torch.ops.cs336.flash_attn_fwd(query, key, value, True)
         do = torch.randn_like(o)
-        torch.library.opcheck(torch.ops.cs336.flash_attn_bwd.default, (query, k, v, o, lse, do, False),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(torch.ops.cs336.flash_attn_bwd.default, (query, key, value, o, lse, do, True),
+                              test_utils=tests)
+    assert torch.Tag.pt2_compliant_tag in torch.ops.cs336.flash_attn_fwd.default.tags
+
+
+def test_double_backward_is_refused_under_a_dispatch_mode():
+    """Under a dispatch mode (FlopCounterMode here) a call takes the registered ops, which have no autograd
+    kernel: a create_graph=True backward must still raise, not return a zero second derivative."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 2, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False):
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        with pytest.raises(RuntimeError, match="does not support double backward"):
+            torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        (dq,) = torch.autograd.grad(out.square().sum(), q)  # a plain backward still works
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
 
 
 def test_backward_is_two_launches_dq_first():
