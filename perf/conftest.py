@@ -6,7 +6,9 @@ parametrized with that suite's cases under the active profile (``--perf-profile`
 
 * runs warm-up and measured rounds through `cs336_systems.bench.harness.run_pytest_benchmark`
   (synchronizing clock, peak memory after warm-up, OOM capture), so a case cannot forget to sync;
-* records the case, status, peak memory and derived rates (tokens/s, TFLOP/s, MFU) in ``extra_info``,
+* records the case, status, peak memory and derived rates (tokens/s, TFLOP/s, MFU) in ``extra_info``, and
+  for host-timed cases ``host_ms`` / ``host_share``: the median host time to queue a round and its ratio to
+  the round's median (near 1: host-bound; the e2e cases' GPU-bound steps read well below 1),
   which pytest-benchmark writes into its JSON (``--benchmark-autosave`` / ``--benchmark-json``), plus
   whatever the workload put in the ``extra_info`` dict it was handed (accuracy error, memory before
   backward: numbers the workload only knows once it has run);
@@ -47,6 +49,7 @@ saved run the same way.
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -264,6 +267,10 @@ def bench(benchmark, request: pytest.FixtureRequest, perf_device: torch.device):
         stats = result.stats
         if result.peak_memory_bytes is not None:
             benchmark.extra_info["peak_memory_gib"] = result.peak_memory_bytes / 2**30
+        if result.host_s:  # timing "host": the host's time to queue a round, and its share of the round
+            host = statistics.median(result.host_s)
+            benchmark.extra_info["host_ms"] = host * 1e3
+            benchmark.extra_info["host_share"] = host / median
         request.config.stash[RESULTS_KEY].append(_gate_entry(case, stats, benchmark.extra_info))
         if tokens is not None:
             benchmark.extra_info["tokens_per_s"] = tokens / median

@@ -20,7 +20,9 @@ Every measurement in this package goes through here, so the rules hold everywher
 Three ways to read a round's time (``timing``):
   "host"    (default) the synchronizing clock: the device is idle when a round starts and drained when it
             ends, so the round's time includes the host's latency to its first kernel (Python, dispatch,
-            launches) and the final sync: the latency a caller waits for one call.
+            launches) and the final sync: the latency a caller waits for one call.  Each round also
+            records the host's share (`Measurement.host_s`: start to the step's return, before the
+            final sync), which says whether the round was host- or device-bound.
   "device"  as ``triton.testing.do_bench``: CUDA events recorded on the current stream right before and
             after the step, no synchronization between rounds (one at the end).  The host runs ahead,
             so host overhead is hidden behind device work already queued (the per-round hooks: the L2
@@ -82,7 +84,8 @@ def synchronize(device: torch.device | str | None) -> None:
 class SynchronizedClock:
     """A timer that synchronizes the device before every read.
 
-    ``sync`` and ``clock`` are injectable so tests can check the ordering with fakes.
+    ``sync`` and ``clock`` are injectable so tests can check the ordering with fakes; ``host_clock`` (the
+    same clock unless given) is the one `unsynced` reads.
     """
 
     def __init__(
@@ -91,13 +94,20 @@ class SynchronizedClock:
         *,
         sync: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        host_clock: Callable[[], float] | None = None,
     ) -> None:
         self._sync = sync if sync is not None else (lambda: synchronize(device))
         self._clock = clock
+        self._host_clock = host_clock if host_clock is not None else clock
 
     def __call__(self) -> float:
         self._sync()
         return self._clock()
+
+    def unsynced(self) -> float:
+        """The host timer without waiting for the device: only for the host's own share of a round
+        (`Measurement.host_s`), never for a round's time."""
+        return self._host_clock()
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,11 @@ class Measurement:
     times_s: tuple[float, ...] = ()
     peak_memory_bytes: int | None = None
     error: str | None = None
+    # timing="host" only: per round, the host's time to run the step (from the round's start, the device
+    # idle, to the step's return, before the closing synchronization): the time to queue its work.  Near
+    # the round's time the round is host-bound (the device waited on the host); well below it, device-bound
+    # with the host that far ahead.  A step that synchronizes inside (.item()) reads host-bound.
+    host_s: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -155,6 +170,7 @@ class Measurement:
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["times_s"] = list(self.times_s)
+        out["host_s"] = list(self.host_s)
         if self.stats is not None:
             out["stats"] = {**dataclasses.asdict(self.stats), "iqr": self.stats.iqr}
         return out
@@ -316,16 +332,18 @@ def _check_graphable(step: Step) -> None:
 
 
 def _host_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int,
-                       clock: SynchronizedClock) -> list[float]:
-    """Time ``rounds`` rounds with the synchronizing clock (timing="host"); seconds per round."""
-    times = []
+                       clock: SynchronizedClock) -> tuple[list[float], list[float]]:
+    """Time ``rounds`` rounds with the synchronizing clock (timing="host"): seconds per round, and the
+    host's share of each (`Measurement.host_s`)."""
+    times, host = [], []
     for _ in range(rounds):
         if hook is not None:
             hook()
         start = clock()  # syncs first: the hook's queued device work finishes before this read
         _guard_oom(step)
+        host.append(clock.unsynced() - start)
         times.append(clock() - start)
-    return times
+    return times, host
 
 
 def device_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int, device,
@@ -415,6 +433,7 @@ def measure(
     _check_timing(timing, device)
     clock = clock or SynchronizedClock(device)
     step = hook = None
+    host = ()
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each, timing)
@@ -424,13 +443,13 @@ def measure(
                 elif timing == "graph":
                     times = graph_timed_rounds(step, hook, rounds, device)
                 else:
-                    times = _host_timed_rounds(step, hook, rounds, clock)
+                    times, host = _host_timed_rounds(step, hook, rounds, clock)
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
     else:
         del step, hook
-        return Measurement("ok", warmup, tuple(times), peak_memory_bytes(device))
+        return Measurement("ok", warmup, tuple(times), peak_memory_bytes(device), host_s=tuple(host))
     free_memory(device)
     return Measurement("oom", warmup, error=error)
 
@@ -475,21 +494,28 @@ def run_pytest_benchmark(
         return result
     clock = clock or SynchronizedClock(device)
     step = hook = None
+    host = []
+
+    def queued() -> None:
+        # pytest-benchmark reads the (synchronizing) start time just before this call: the host's share
+        # starts here, within a timer read of the round's start (Measurement.host_s)
+        start = clock.unsynced()
+        _guard_oom(step)
+        host.append(clock.unsynced() - start)
+
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
             benchmark._timer = clock
             with monitor or contextlib.nullcontext():
-                benchmark.pedantic(
-                    lambda: _guard_oom(step), setup=hook, rounds=rounds, iterations=1, warmup_rounds=0
-                )
+                benchmark.pedantic(queued, setup=hook, rounds=rounds, iterations=1, warmup_rounds=0)
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive
     else:
         del step, hook
         times = tuple(benchmark.stats.stats.data) if benchmark.stats is not None else ()
-        return Measurement("ok", warmup, times, peak_memory_bytes(device))
+        return Measurement("ok", warmup, times, peak_memory_bytes(device), host_s=tuple(host) if times else ())
     free_memory(device)
     return Measurement("oom", warmup, error=error)
 

@@ -228,7 +228,9 @@ def gpu_clock_table(entries: list[dict]) -> str:
     """The GPU's state while each end-to-end case's measured rounds ran (`bench.gpu_telemetry`, runs that
     recorded it): SM clock median and minimum, power median and maximum, temperature at the start and the
     share of samples with a clock-lowering event (power cap, thermal), and the cool-down waited before the
-    case.  A case whose clock sat below its peers' was slowed by the GPU, not by its code."""
+    case.  A case whose clock sat below its peers' was slowed by the GPU, not by its code.  "host share": the
+    host's median time to queue a round over the round's median (`host_share`; near 1 host-bound, "-" for
+    runs that did not record it)."""
     lm = [e for e in entries if e.get("test") == "test_end_to_end" and e.get("gpu_samples")]
     if not lm:
         return ""
@@ -240,10 +242,12 @@ def gpu_clock_table(entries: list[dict]) -> str:
         reasons = ", ".join(e.get("gpu_slowdown_reasons") or []) or "-"
         rows.append([str(e.get("size")), str(e.get("context")), str(e.get("batch_size")), str(e.get("mode")),
                      str(e.get("precision")), compile_label(e.get("compile")), impl_of(e),
-                     str(e.get("attention")), optimizer_of(e), fmt(stat_ms(e), ".2f"), f"{e['gpu_sm_clock_mhz_median']:.0f} / {e['gpu_sm_clock_mhz_min']:.0f}",
+                     str(e.get("attention")), optimizer_of(e), fmt(stat_ms(e), ".2f"), fmt(e.get("host_share"), ".2f"),
+                     f"{e['gpu_sm_clock_mhz_median']:.0f} / {e['gpu_sm_clock_mhz_min']:.0f}",
                      f"{e['gpu_power_w_median']:.0f} / {e['gpu_power_w_max']:.0f}",
                      f"{e['gpu_temperature_c_start']} / {e['gpu_temperature_c_max']}",
                      f"{100 * e['gpu_slowdown_fraction']:.0f}% ({reasons})", fmt(e.get("cooldown_s"), ".1f")])
-    header = ["size", "context", "batch", "mode", "precision", "compile", "impl", "attention", "optimizer", "median ms", "SM MHz median / min",
+    header = ["size", "context", "batch", "mode", "precision", "compile", "impl", "attention", "optimizer", "median ms",
+              "host share", "SM MHz median / min",
               "power W median / max", "temp C start / max", "slowed samples", "cool-down s"]
     return "### GPU clocks during the measured rounds (end-to-end)\n\n" + md_table(header, rows)

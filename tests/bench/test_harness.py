@@ -35,7 +35,8 @@ class FakeDevice:
         self.pending += self.step_seconds  # asynchronous: the host returns immediately
 
     def harness_clock(self):
-        return SynchronizedClock(sync=self.sync, clock=self.clock)
+        # the host-share reads (unsynchronized by design) are not logged: every logged read is a timed one
+        return SynchronizedClock(sync=self.sync, clock=self.clock, host_clock=lambda: self.now)
 
 
 def assert_every_read_follows_a_sync(events):
@@ -53,6 +54,23 @@ def test_measure_syncs_before_every_read_and_skips_warmup():
     assert_every_read_follows_a_sync(dev.events)
     first_read = dev.events.index("read")
     assert dev.events[:first_read].count("step") == 3  # warm-up drained before the first timed read
+
+
+def test_host_share_of_each_round_is_recorded_without_a_sync():
+    """timing="host" also records the host's time to run the step (before the closing sync): here the host
+    spends 0.1 s queueing 0.25 s of device work, so each round reads 0.35 s and its host share 0.1 s."""
+    dev = FakeDevice(step_seconds=0.25)
+
+    def step():
+        dev.now += 0.1  # host work: the clock moves without a sync
+        dev.step()
+
+    result = measure(lambda: step, warmup=1, rounds=4, clock=dev.harness_clock())
+    assert result.times_s == pytest.approx((0.35,) * 4)
+    assert result.host_s == pytest.approx((0.1,) * 4)
+    assert result.as_dict()["host_s"] == pytest.approx([0.1] * 4)
+    # device and graph timings have no host share
+    assert Measurement("ok", 0, (1.0,)).host_s == ()
 
 
 def test_gc_is_paused_while_measuring_and_restored_after():

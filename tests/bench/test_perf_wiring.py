@@ -54,10 +54,11 @@ def test_pytest_benchmark_reads_the_clock_only_after_a_sync(benchmark):
     def step():
         events.append("step"); state["pending"] += 0.5
     result = run_pytest_benchmark(benchmark, lambda: step, warmup=2, rounds=4,
-                                  clock=SynchronizedClock(sync=sync, clock=clock))
+                                  clock=SynchronizedClock(sync=sync, clock=clock, host_clock=lambda: state["now"]))
     assert events.count("step") == 6
     assert all(events[i - 1] == "sync" for i, e in enumerate(events) if e == "read")
     assert list(benchmark.stats.stats.data) == [0.5] * 4 == list(result.times_s)
+    assert list(result.host_s) == [0.0] * 4  # the fake host queues its work in no time
 '''
 
 
@@ -189,6 +190,9 @@ class FakeDevice:
     def clock(self):
         self.events.append("read"); return self.now
 
+    def host_clock(self):  # the host-share reads, unsynchronized by design: not logged
+        return self.now
+
     def queue(self, event, seconds):
         self.events.append(event); self.pending += seconds
 
@@ -213,7 +217,8 @@ def test_run_pytest_benchmark_never_times_before_each(benchmark):
     dev = FakeDevice()
     result = benchmarking.run_pytest_benchmark(
         benchmark, lambda: BackwardLikeStep(dev), warmup=1, rounds=4,
-        clock=RealClock(sync=dev.sync, clock=dev.clock), before_each=lambda: dev.queue("flush", 100.0),
+        clock=RealClock(sync=dev.sync, clock=dev.clock, host_clock=dev.host_clock),
+        before_each=lambda: dev.queue("flush", 100.0),
     )
     assert dev.events == WARMUP + DRAIN + ROUND * 4
     assert list(benchmark.stats.stats.data) == [0.5] * 4 == list(result.times_s)
@@ -222,7 +227,7 @@ def test_run_pytest_benchmark_never_times_before_each(benchmark):
 def test_bench_flushes_l2_per_round_untimed(bench, benchmark, monkeypatch):
     dev = FakeDevice()
     monkeypatch.setattr(benchmarking, "SynchronizedClock",
-                        lambda device=None: RealClock(sync=dev.sync, clock=dev.clock))
+                        lambda device=None: RealClock(sync=dev.sync, clock=dev.clock, host_clock=dev.host_clock))
     monkeypatch.setattr(benchmarking, "L2Flush", lambda device: (lambda: dev.queue("flush", 100.0)))
     metrics = {}
 
@@ -236,6 +241,8 @@ def test_bench_flushes_l2_per_round_untimed(bench, benchmark, monkeypatch):
     assert dev.events == WARMUP + DRAIN + ROUND * 3
     assert list(result.times_s) == [0.5] * 3
     assert benchmark.extra_info["accuracy_error"] == 0.0 and benchmark.extra_info["tflops"] == 16.0 / 1e12
+    # the fake host queues in no time: a device-bound round
+    assert benchmark.extra_info["host_ms"] == 0.0 and benchmark.extra_info["host_share"] == 0.0
 '''
 
 ATTENTION_MATRIX = {

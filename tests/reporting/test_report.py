@@ -939,12 +939,12 @@ def test_gpu_clock_table_lists_end_to_end_cases_that_recorded_telemetry(tmp_path
     hot["extra_info"].update(gpu_samples=120, gpu_sm_clock_mhz_median=1935, gpu_sm_clock_mhz_min=1785,
                              gpu_power_w_median=640.2, gpu_power_w_max=690.0, gpu_temperature_c_start=56,
                              gpu_temperature_c_max=61, gpu_slowdown_fraction=0.42,
-                             gpu_slowdown_reasons=["sw_power_cap"], cooldown_s=7.5)
+                             gpu_slowdown_reasons=["sw_power_cap"], cooldown_s=7.5, host_share=0.2712)
     untracked = _impl(_bench("2.7B", 512, "train-step", "bf16", False, 0.130), "hf-llama")
     text = report.render([_run(tmp_path, "a.json", [hot, untracked])])
     table = _section(text, "### GPU clocks during the measured rounds (end-to-end)")
-    assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | own | sdpa | adamw | 120.40 | 1935 / 1785 | 640 / 690 | 56 / 61 | " \
-           "42% (sw_power_cap) | 7.5 |" in table
+    assert "| 2.7B | 512 | 4 | train-step | bf16 | compiled | own | sdpa | adamw | 120.40 | 0.27 | 1935 / 1785 | 640 / 690 | " \
+           "56 / 61 | 42% (sw_power_cap) | 7.5 |" in table
     assert "hf-llama" not in table  # no telemetry recorded for it
     assert "GPU clocks" not in report.render([_run(tmp_path, "b.json", [untracked])])
 
