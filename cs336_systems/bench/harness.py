@@ -331,6 +331,14 @@ def _check_graphable(step: Step) -> None:
             "rounds; time this step with timing='device' or 'host'")
 
 
+def _queued(step: Step, clock: SynchronizedClock, host: list[float]) -> None:
+    """Run one round's step and append the host's time to run it (`Measurement.host_s`), read without a
+    synchronization; the caller's synchronizing reads around it time the round."""
+    start = clock.unsynced()
+    _guard_oom(step)
+    host.append(clock.unsynced() - start)
+
+
 def _host_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int,
                        clock: SynchronizedClock) -> tuple[list[float], list[float]]:
     """Time ``rounds`` rounds with the synchronizing clock (timing="host"): seconds per round, and the
@@ -340,8 +348,7 @@ def _host_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int,
         if hook is not None:
             hook()
         start = clock()  # syncs first: the hook's queued device work finishes before this read
-        _guard_oom(step)
-        host.append(clock.unsynced() - start)
+        _queued(step, clock, host)
         times.append(clock() - start)
     return times, host
 
@@ -494,21 +501,15 @@ def run_pytest_benchmark(
         return result
     clock = clock or SynchronizedClock(device)
     step = hook = None
-    host = []
-
-    def queued() -> None:
-        # pytest-benchmark reads the (synchronizing) start time just before this call: the host's share
-        # starts here, within a timer read of the round's start (Measurement.host_s)
-        start = clock.unsynced()
-        _guard_oom(step)
-        host.append(clock.unsynced() - start)
-
+    host: list[float] = []
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
             benchmark._timer = clock
             with monitor or contextlib.nullcontext():
-                benchmark.pedantic(queued, setup=hook, rounds=rounds, iterations=1, warmup_rounds=0)
+                # pytest-benchmark reads the synchronizing start time right before each call
+                benchmark.pedantic(lambda: _queued(step, clock, host), setup=hook, rounds=rounds, iterations=1,
+                                   warmup_rounds=0)
     except _OutOfMemory as oom:
         error = str(oom)
         step = hook = None  # this frame's references would otherwise keep the workload's tensors alive

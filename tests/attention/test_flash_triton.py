@@ -6,6 +6,7 @@ a ValueError, tested below).  GPU-marked tests run bf16/fp16/fp32 at larger size
 torch.compile(fullgraph=True).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -324,15 +325,21 @@ def test_registry_entry_and_non_contiguous_inputs():
     torch.testing.assert_close(out, attention.attention(q, q, q, is_causal=True, impl="naive"), rtol=1e-4, atol=1e-4)
 
 
-def test_double_backward_raises_instead_of_returning_zero_second_derivatives():
+@pytest.mark.parametrize("dispatch_mode", [False, True], ids=["eager", "under-a-dispatch-mode"])
+def test_double_backward_raises_instead_of_returning_zero_second_derivatives(dispatch_mode):
+    """Eager calls, and calls under a dispatch mode (FlopCounterMode), which take the registered ops: those
+    have no autograd kernel, so without the check a create_graph=True backward would return zero."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     q, k, v = (torch.randn(1, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
-    out = FlashAttentionTriton.apply(q, k, v, True)
-    with pytest.raises(RuntimeError, match="does not support double backward"):
-        torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    # a plain backward (no graph of the gradients) still works after that
-    out = FlashAttentionTriton.apply(q, k, v, True)
-    (dq,) = torch.autograd.grad(out.square().sum(), q)
-    assert dq.shape == q.shape and not dq.requires_grad
+    with FlopCounterMode(display=False) if dispatch_mode else contextlib.nullcontext():
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        with pytest.raises(RuntimeError, match="does not support double backward"):
+            torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        # a plain backward (no graph of the gradients) still works after that
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        (dq,) = torch.autograd.grad(out.square().sum(), q)
+    assert dq.shape == q.shape and not dq.requires_grad and torch.isfinite(dq).all()
 
 
 @pytest.mark.parametrize(
@@ -731,21 +738,6 @@ def test_registered_ops_pass_torch_library_opcheck(dtype):
         torch.library.opcheck(torch.ops.cs336.flash_attn_bwd.default, (query, key, value, o, lse, do, True),
                               test_utils=tests)
     assert torch.Tag.pt2_compliant_tag in torch.ops.cs336.flash_attn_fwd.default.tags
-
-
-def test_double_backward_is_refused_under_a_dispatch_mode():
-    """Under a dispatch mode (FlopCounterMode here) a call takes the registered ops, which have no autograd
-    kernel: a create_graph=True backward must still raise, not return a zero second derivative."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    q, k, v = (torch.randn(1, 2, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
-    with FlopCounterMode(display=False):
-        out = FlashAttentionTriton.apply(q, k, v, True)
-        with pytest.raises(RuntimeError, match="does not support double backward"):
-            torch.autograd.grad(out.square().sum(), q, create_graph=True)
-        out = FlashAttentionTriton.apply(q, k, v, True)
-        (dq,) = torch.autograd.grad(out.square().sum(), q)  # a plain backward still works
-    assert dq.shape == q.shape and torch.isfinite(dq).all()
 
 
 def test_backward_is_two_launches_dq_first():
