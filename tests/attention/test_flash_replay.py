@@ -104,6 +104,104 @@ def test_a_descriptor_over_other_memory_is_refused():
     assert not recorder.ok and not recorder.launches
 
 
+class _Launcher:
+    """Stands in for Triton 3.6's CudaLauncher of a kernel with host descriptors: `launch` is a closure over
+    the C launcher, the descriptors' positions and their metadata, as `wrap_handle_tensordesc` builds it."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, tensordesc_indices, tensordesc_meta):
+        self.direct_calls = []
+
+        def launcher(*args):
+            self.direct_calls.append(args)
+
+        def inner(*args):
+            return launcher, tensordesc_indices, tensordesc_meta
+
+        self.launch = inner
+
+    def __call__(self, *args):
+        raise AssertionError("a direct replay does not go through the launcher's wrapper")
+
+
+def _direct_setup(monkeypatch, metas):
+    """A recorded launch of kernel(X, Y: descriptor, n, stride: descriptor, SCALE) whose compiled launcher has
+    Triton 3.6's form; `_encode` counts its calls and returns a tagged map."""
+    monkeypatch.setattr(flash_replay, "DIRECT_TRITON", True)
+    encoded = []
+
+    def encode(descriptor, meta):
+        encoded.append((descriptor.base.data_ptr(), meta))
+        return [("map", descriptor.base.data_ptr(), meta), *descriptor.shape, *descriptor.strides]
+
+    monkeypatch.setattr(flash_replay, "_encode", encode)
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    kernel.compiled.run = _Launcher({1, 3}, metas)
+    recorder(kernel)[(3, 2)](x, TensorDescriptor.from_tensor(y, [2, 8]), 32,
+                             TensorDescriptor(x.view(32), [32], [1], [16]), 0.5)
+    assert recorder.ok, recorder.why
+    return kernel, recorder, encoded
+
+
+def test_direct_replays_hand_the_c_launcher_pre_expanded_arguments(monkeypatch):
+    """On Triton 3.6 a replay skips the launcher's per-launch descriptor expansion: the C launcher gets the
+    grid, stream, launch options and metadata, then each argument, descriptors expanded as the wrapper
+    expands them (a CUtensorMap then shape and strides; a descriptor lowered to a pointer as its base, shape
+    and strides twice and the padding flag), with the new slot tensors in place."""
+    kernel, recorder, encoded = _direct_setup(monkeypatch, [{"swizzle": 128}, None])
+    (recorded,) = recorder.launches
+    assert recorded.direct is not None
+    x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
+    recorder.replay((x2, y2), stream=7)
+    (args,) = kernel.compiled.run.direct_calls
+    assert args[:13] == (3, 2, 1, 7, "fn", False, True, None, None, "meta", None, None, None)
+    rest = list(args[13:])
+    assert rest[0] is x2
+    assert rest[1:6] == [("map", y2.data_ptr(), {"swizzle": 128}), 4, 8, 8, 1]  # Y: map, shape, strides
+    assert rest[6] == 32
+    assert rest[7] is x2 and rest[8:13] == [32, 1, False, 32, 1]  # stride: base, shape, strides, padding, again
+    assert rest[13:] == [0.5, 16]
+    assert encoded == [(y2.data_ptr(), {"swizzle": 128})] and not kernel.compiled.launched
+
+
+def test_direct_replays_encode_each_address_once(monkeypatch):
+    kernel, recorder, encoded = _direct_setup(monkeypatch, [{"swizzle": 128}, {"swizzle": 64}])
+    x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
+    for _ in range(3):
+        recorder.replay((x2, y2), stream=0)
+    assert len(encoded) == 2 and len(kernel.compiled.run.direct_calls) == 3
+    x3 = torch.ones(4, 8)
+    recorder.replay((x3, y2), stream=0)
+    assert encoded[2:] == [(x3.data_ptr(), {"swizzle": 64})]  # a new address: encoded, the other one reused
+    maps = [call[14] for call in kernel.compiled.run.direct_calls]  # Y's map: the same object every time
+    assert all(m is maps[0] for m in maps)
+    monkeypatch.setattr(flash_replay, "MAX_MAPS", 2)
+    x4 = torch.ones(4, 8)
+    recorder.replay((x4, y2), stream=0)  # the table holds x2's and x3's maps: at the limit it starts over
+    recorder.replay((x3, y2), stream=0)
+    assert encoded[3:] == [(x4.data_ptr(), {"swizzle": 64}), (x3.data_ptr(), {"swizzle": 64})]
+
+
+@pytest.mark.parametrize("case", ["scratch", "other wrapper", "other descriptors", "release"])
+def test_launchers_of_another_form_keep_the_ordinary_replay(monkeypatch, case):
+    monkeypatch.setattr(flash_replay, "DIRECT_TRITON", case != "release")
+    x, y = torch.zeros(4, 8), torch.zeros(4, 8)
+    kernel, recorder = _Kernel(), Recorder((x, y))
+    run = _Launcher({1}, [{"swizzle": 128}])
+    if case == "scratch":
+        run.global_scratch_size = 256
+    elif case == "other wrapper":
+        run.launch = lambda *args: None
+    elif case == "other descriptors":
+        run = _Launcher({3}, [{"swizzle": 128}])  # the wrapper expands a position that holds no descriptor
+    kernel.compiled.run = run
+    recorder(kernel)[(1,)](x, TensorDescriptor.from_tensor(y, [2, 8]), 32, 8, 1.0)
+    assert recorder.ok and recorder.launches[0].direct is None
+
+
 @pytest.mark.parametrize("case", ["workspace", "descriptor", "grid function", "other strides",
                                   "still compiling", "interpreted"])
 def test_recorder_refuses_launches_it_cannot_replay(case):
@@ -319,6 +417,30 @@ def test_gpu_model_shapes_replay_every_launch(monkeypatch):
             assert len(count) == 2
             recorded = flash_triton._recorded
             assert sorted((key[0], len(plan.launches)) for key, plan in recorded.items()) == [("bwd", 2), ("fwd", 1)]
+
+
+@pytest.mark.gpu
+def test_gpu_replays_on_inputs_at_new_addresses_match_the_ordinary_path(monkeypatch):
+    """A replay encodes a launch's TMA descriptors once per address (Triton 3.6's direct launches): calls on
+    inputs at other addresses, with the earlier inputs alive so that no address comes back, give the ordinary
+    path's results bit for bit; at the model shapes every launch is a direct one on Triton 3.6."""
+    for heads, d in ((25, 64), (32, 80)):
+        inputs = [[token_major_view(4, heads, 512, d, torch.bfloat16, 3 * i + j) for j in range(3)]
+                  for i in range(3)]
+        grad_out = torch.randn_like(inputs[0][0])
+        expected = [_ordinary(monkeypatch, *qkv, True, grad_out) for qkv in inputs]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv(REPLAY_ENV, raising=False)
+            patch.setattr(flash_triton, "_recorded", {})
+            count = _replays(patch)
+            for qkv, want in zip(inputs, expected):
+                for got, ordinary in zip(_outputs(*qkv, True, grad_out), want):
+                    assert torch.equal(got, ordinary)
+            assert len(count) == 4  # the second and third calls replayed the forward and the backward
+            launches = [launch for plan in flash_triton._recorded.values() for launch in plan.launches]
+            assert len(launches) == 3
+            if flash_replay.DIRECT_TRITON:
+                assert all(launch.direct is not None for launch in launches)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,15 @@ A replay calls the compiled kernel's launcher as Triton's JIT does (`JITFunction
 function, packed metadata, launch metadata, the two launch hooks, then every argument, constexprs
 included), which is Triton's internal interface: `REPLAY_TRITON` lists the releases it was checked against
 (3.6 on the GPU, 3.9 by reading its source); on others, calls launch the ordinary way.
+
+Direct launches (Triton 3.6, `DIRECT_TRITON`).  For a kernel that takes host-side descriptors, Triton 3.6's
+launcher is a Python wrapper around the compiled C launcher that expands every descriptor at every launch:
+it encodes a CUtensorMap from the base's address, shape, strides and box (`make_tensordesc_arg`), then
+appends the shape and strides.  Within a signature only the address changes, so a recording also keeps,
+where the launcher has exactly that form, the C launcher and each launch's arguments already expanded; a
+replay fills in the slot tensors and each descriptor's CUtensorMap, encoded once per address (a small
+table per descriptor) and reused after.  The map is passed by value (a kernel parameter), so reusing the
+object is safe.  The C launcher then takes the arguments the wrapper would have built: the same launch.
 """
 
 from __future__ import annotations
@@ -52,6 +61,21 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     _knobs = None
 
 REPLAY_TRITON = triton.__version__.startswith(("3.6.", "3.9."))
+# The release whose launcher a replay may bypass (module docstring, "Direct launches"): read on the GPU
+# image's Triton 3.6 (triton/backends/nvidia/driver.py: `wrap_handle_tensordesc`, `CudaLauncher`); 3.9's
+# launcher has another form, and its replays keep the launcher.
+DIRECT_TRITON = triton.__version__.startswith("3.6.")
+# the expanding wrapper's free variables in Triton 3.6: the C launcher, the descriptors' positions, and their
+# metadata (None: a descriptor the kernel lowered to a pointer, shape and strides, which needs no encoding)
+_WRAPPER_CELLS = ("launcher", "tensordesc_indices", "tensordesc_meta")
+MAX_MAPS = 64  # CUtensorMaps kept per recorded descriptor (then its table starts over)
+
+
+def _encode(descriptor, meta):
+    """Triton 3.6's expansion of a host descriptor with TMA metadata: [CUtensorMap, *shape, *strides]."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(descriptor, meta)
 
 
 def hooks_idle() -> bool:
@@ -85,13 +109,85 @@ def _on(template, base: torch.Tensor):
 class _Launch:
     """One recorded launch: the compiled kernel, its grid, and its arguments in the kernel's parameter
     order, with each slot tensor replaced by its index in `slot_of` and each descriptor by its index in
-    `desc_of` (with the recorded descriptor as the template)."""
+    `desc_of` (with the recorded descriptor as the template).  `direct`: a `_Direct`, or None (launched
+    through the compiled kernel's launcher)."""
 
-    __slots__ = ("args", "compiled", "desc_of", "grid", "slot_of")
+    __slots__ = ("args", "compiled", "desc_of", "direct", "grid", "slot_of")
 
     def __init__(self, compiled, grid: tuple[int, int, int], args: list, slot_of: tuple[tuple[int, int], ...],
                  desc_of: tuple[tuple[int, int, object], ...] = ()):
         self.compiled, self.grid, self.args, self.slot_of, self.desc_of = compiled, grid, args, slot_of, desc_of
+        self.direct = _Direct.of(self) if DIRECT_TRITON else None
+
+
+class _Direct:
+    """A recorded launch made through Triton 3.6's C launcher with its arguments pre-expanded (module
+    docstring, "Direct launches"): `args` is the whole argument list the C launcher takes, grid and stream
+    included, with each slot tensor's place in `slot_at` and each encoded descriptor's in `maps`."""
+
+    __slots__ = ("args", "launcher", "maps", "slot_at", "stream_at")
+
+    @staticmethod
+    def of(launch: _Launch) -> _Direct | None:
+        """The direct form of ``launch``, or None where its launcher is not of the form read in Triton 3.6
+        (scratch memory to allocate per launch, another wrapper, or none of its metadata)."""
+        run = launch.compiled.run
+        wrapper = getattr(run, "launch", None)
+        if (wrapper is None or getattr(run, "global_scratch_size", 1) != 0
+                or getattr(run, "profile_scratch_size", 1) != 0
+                or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+            return None
+        code = getattr(wrapper, "__code__", None)
+        if code is None:  # no descriptors: the C launcher itself
+            launcher, indices, metas = wrapper, set(), []
+        elif code.co_freevars == _WRAPPER_CELLS:
+            launcher, indices, metas = (cell.cell_contents for cell in wrapper.__closure__)
+            metas = list(metas) if metas else [None] * len(indices)
+        else:
+            return None
+        descriptors = {position: (slot, template) for position, slot, template in launch.desc_of}
+        if set(indices) != set(descriptors) or len(metas) != len(indices):
+            return None
+        slots = dict(launch.slot_of)
+        args = [*launch.grid, None, launch.compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                None, None, launch.compiled.packed_metadata, None, None, None]
+        slot_at, maps = [], []
+        meta_of = dict(zip(sorted(indices), metas))
+        for position, value in enumerate(launch.args):
+            if position in slots:
+                slot_at.append((len(args), slots[position]))
+                args.append(None)
+            elif position in descriptors:
+                slot, template = descriptors[position]
+                meta = meta_of[position]
+                if meta is None:  # lowered to a pointer: the base, then shape and strides twice, as the wrapper
+                    slot_at.append((len(args), slot))
+                    args += [None, *template.shape, *template.strides, template.padding == "nan",
+                             *template.shape, *template.strides]
+                else:
+                    maps.append((len(args), slot, template, meta, {}))
+                    args += [None, *template.shape, *template.strides]
+            else:
+                args.append(value)
+        direct = _Direct()
+        direct.args, direct.launcher, direct.maps, direct.slot_at, direct.stream_at = args, launcher, maps, slot_at, 3
+        return direct
+
+    def launch(self, slots: tuple[torch.Tensor, ...], stream: int) -> None:
+        args = self.args.copy()
+        args[self.stream_at] = stream
+        for at, slot in self.slot_at:
+            args[at] = slots[slot]
+        for at, slot, template, meta, table in self.maps:
+            base = slots[slot]
+            address = base.data_ptr()
+            encoded = table.get(address)
+            if encoded is None:
+                if len(table) >= MAX_MAPS:
+                    table.clear()
+                encoded = table[address] = _encode(_on(template, base), meta)[0]
+            args[at] = encoded
+        self.launcher(*args)
 
 
 class Recorder:
@@ -174,6 +270,9 @@ class Recorder:
     def replay(self, slots: tuple[torch.Tensor, ...], stream: int) -> None:
         """Launch the recorded kernels on ``slots`` (same signature as the recorded ones) on ``stream``."""
         for launch in self.launches:
+            if launch.direct is not None:
+                launch.direct.launch(slots, stream)
+                continue
             args = launch.args.copy()
             for position, slot in launch.slot_of:
                 args[position] = slots[slot]
