@@ -19,6 +19,7 @@ from cs336_systems.attention.kernels import flash_launch
 hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper")
 dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_hopper")
 dq_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dq_hopper")
+ws_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper_ws")
 
 CUDA = torch.device("cuda")
 
@@ -162,8 +163,18 @@ def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(
     assert hopper.usable(*qkv(8, 16384, 16384))  # 1024 programs
     assert hopper.usable(*qkv(1, 32768, 32768))  # 256 programs: one per SM
     assert not hopper.usable(*qkv(1, 16384, 16384))  # 128 programs
-    assert not hopper.usable(*qkv(64, 2048, 2048))  # enough programs, rows too short
-    assert not hopper.usable(*qkv(64, 16384, 8192))
+    # d 128 runs the warp-specialized kernel, which takes rows from WS_MIN_KEYS keys
+    assert hopper.usable(*qkv(64, 2048, 2048)) and hopper.usable(*qkv(64, 16384, 8192))
+    assert not hopper.usable(*qkv(64, 2048, 2047))
+    assert not hopper.usable(*qkv(2, 2048, 2048))  # 32 programs
+
+    def qkv256(bh, nq, nk):
+        q = torch.empty(1, bh, nq, 256, dtype=torch.bfloat16)
+        return q, torch.empty(1, bh, nk, 256, dtype=torch.bfloat16), torch.empty(1, bh, nk, 256, dtype=torch.bfloat16)
+
+    assert hopper.usable(*qkv256(8, 16384, 16384))
+    assert not hopper.usable(*qkv256(64, 2048, 2048))  # enough programs, rows too short (MIN_KEYS)
+    assert not hopper.usable(*qkv256(64, 16384, 8192))
     # d 80 and 96 (products over d in slices) from SLICED_MIN_KEYS keys, with the same program rule
     q80 = torch.empty(4, 16, 1024, 80, dtype=torch.bfloat16)
     assert hopper.usable(q80, q80, q80)
@@ -251,6 +262,13 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         assert (block_m, block_n, stages) == hopper.PADDED_TILES == (64, 64, 3)
         assert 2 * (2 * 128 * (block_m + 2 * stages * block_n) + 1024) <= 228 * 1024, d
     assert hopper.tiles(128) == (128, 128, 3) and hopper.tiles(64) == (128, 128, 3)
+    # the warp-specialized forward (d 64, 128): Q's two 64-row halves and its K/V ring in one program
+    for d in ws_hopper.HEAD_DIMS:
+        block_n, stages = ws_hopper.TILES
+        assert 2 * d * (2 * ws_hopper.ROWS + 2 * stages * block_n) <= 227 * 1024, d
+    # its registers: 65536 a program, spread over 12 warps at launch, then rebalanced per warpgroup
+    assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
+    assert sum(ws_hopper.REGS) + ws_hopper.REGS[0] <= 3 * ws_hopper.MAXNREG
     for d in dkdv_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
         for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256, dkdv_hopper.DK_TILES_LONG_256}:
@@ -547,6 +565,37 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
 
 @pytest.mark.gpu
 @ON_HOPPER
+@pytest.mark.parametrize("z, heads, nq, nk, d, is_causal, token_major", [
+    (1, (8, 8), 16384, 16384, 128, True, False),  # the d 128 leaderboard shape
+    (2, (4, 4), 1000, 1025, 128, False, True),  # ragged ends, Nq != Nk
+    (2, (3, 3), 17, 1, 64, False, False),  # one key: the only tile is also the last
+    (2, (3, 3), 1, 300, 128, True, True),  # one query row: the second warpgroup's rows are all past Nq
+    (1, (8, 2), 2048, 2048, 64, True, True),  # grouped K/V heads
+    (2, (3, 3), 200, 700, 128, True, False),  # causal, Nk > Nq: rows see keys only up to their own index
+])
+def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq, nk, d, is_causal, token_major):
+    """flash_fwd_hopper_ws runs flash_fwd_hopper's per-row loop with a producer warp and two independent
+    consumer warpgroups: O and L must equal the one-program kernel's bit for bit, and be finite."""
+    assert ws_hopper.takes(d)
+    if token_major:
+        q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
+        k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))
+    else:
+        q = random_qkv((z, heads[0]), nq, nk, d, torch.bfloat16, "cuda", nq)[0]
+        _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
+    q, k, v = (t.detach() for t in (q, k, v))
+    results = []
+    for run in (ws_hopper.forward, hopper.forward_one_program):
+        o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+        run(q, k, v, o, lse, is_causal)
+        results.append((o, lse))
+    for name, a, b in zip(("o", "lse"), *results):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@ON_HOPPER
 @pytest.mark.parametrize("z, heads, nq, nk, d, is_causal", [
     (4, (32, 32), 512, 512, 80, True),  # the 2.7B model's attention
     (2, (3, 3), 1000, 1025, 96, False),
@@ -617,4 +666,5 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     _, replays = _assert_replays_match_the_ordinary_path(q, k, v, True, grad_out, table=table)
     assert replays == 4  # the forward's and the backward's signature, at the second and third call
     names = sorted(launch.compiled.name for plan in table.values() for launch in plan.launches)
-    assert names == ["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", "flash_fwd_hopper_kernel"]
+    forward = "flash_fwd_hopper_ws_kernel" if ws_hopper.takes(d) else "flash_fwd_hopper_kernel"
+    assert names == sorted(["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", forward])

@@ -31,7 +31,8 @@ L = logsumexp of the scaled scores (natural log, float32) per query row, as the 
 the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
-this kernel is taken.  bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96
+this kernel is taken.  At d 64 and 128 `forward` runs the warp-specialized form of the same loop instead
+(flash_fwd_hopper_ws: a producer warp and two independent consumer warpgroups; same results, faster).  bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96
 in 128-wide tiles, `tile_dim`).
 """
 
@@ -69,6 +70,10 @@ MIN_KEYS = 16384
 # forward at every length measured (H200, causal, CUDA-graph time, one probe: 31.3 vs 41.4 us at the 2.7B
 # model's B 4, H 32, N 512; 80.5 vs 102.3 at B 2, H 16, N 2048; 561 vs 674 at B 1, H 16, N 8192).
 SLICED_MIN_KEYS = 512
+# d 128 runs the warp-specialized kernel (flash_fwd_hopper_ws): faster than the portable forward from 2048 keys
+# (H100, CUDA-graph time, standalone probe: 0.164 vs 0.194 ms at B 4, H 16, N 2048, causal; 0.453 vs 0.694 at
+# B 2, H 4, N 8192, not causal; 0.908 vs 1.152 at B 1, H 8, N 16384, causal), with the program rule below.
+WS_MIN_KEYS = 2048
 MIN_PROGRAMS_PER_SM = 1
 # The Gluon API this file is written against; other Triton versions take the portable kernel.
 TRITON_VERSIONS = ("3.6.",)
@@ -399,13 +404,19 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
     MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs of 128 query rows per SM
     (measured: 256 programs at B·H 1, N 32768 won, 128 at N 16384 lost; the 64-row tiles at d 80 / 96 were
-    measured with 512 or more such units)."""
+    measured with 512 or more such units); at d 128, where `forward` runs the warp-specialized kernel,
+    WS_MIN_KEYS keys."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
     programs = triton.cdiv(n_q, BLOCK_M) * z * heads  # 128-row units at every tile size: the rule's measured unit
-    min_keys = SLICED_MIN_KEYS if d_split(head_dim) else MIN_KEYS
+    if d_split(head_dim):
+        min_keys = SLICED_MIN_KEYS
+    elif head_dim == 128:  # the warp-specialized kernel (`forward`)
+        min_keys = WS_MIN_KEYS
+    else:
+        min_keys = MIN_KEYS
     return n_k >= min_keys and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
 
 
@@ -458,7 +469,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
     `usable` strides, k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
-    `flash_replay.Recorder` recording the launch."""
+    `flash_replay.Recorder` recording the launch.  At d 64 and 128 the warp-specialized kernel runs
+    (flash_fwd_hopper_ws: same results, bit for bit); `forward_one_program` is this module's kernel."""
+    from cs336_systems.attention.kernels import flash_fwd_hopper_ws as ws  # (it imports this module)
+
+    if ws.takes(q.shape[-1]):
+        ws.forward(q, k, v, o, lse, causal, wrap)
+    else:
+        forward_one_program(q, k, v, o, lse, causal, wrap)
+
+
+def forward_one_program(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                        causal: bool, wrap=direct) -> None:
+    """`forward` with this module's kernel at every head dim in HEAD_DIMS (its two warpgroups in one program)."""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
     bm, bn, ring = tiles(d)

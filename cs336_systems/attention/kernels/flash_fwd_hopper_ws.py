@@ -1,0 +1,197 @@
+"""Warp-specialized FlashAttention forward for Hopper (sm_90) in Gluon, at head dims 64 and 128: a TMA producer
+warp and two consumer warpgroups that run independently of each other.
+
+    forward(q, k, v, o, lse, causal)   q, o: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse: (Z, H, Nq) float32
+
+`flash_fwd_hopper`'s kernel runs its two warpgroups (64 query rows each) as one 8-warp program: the compiled
+code puts a CTA-wide barrier before every TMA issue and around the ring's waits, which locks the two
+warpgroups into the same step, so neither's softmax runs under the other's products.  Here the program is
+split with `gl.warp_specialize` into three partitions over one shared-memory plan:
+
+    producer (1 warp):            Q's two 64-row halves, then K_j, V_j into ring stage j % NUM_STAGES once both
+                                  consumers have released the tile that stage held (`empty`, count 2)
+    consumer w (4 warps, w 0, 1): rows start_m + 64 w .. + 64, per key tile j, as flash_fwd_hopper's warpgroup:
+                                  S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued asynchronously, the softmax of
+                                  S_j under P_{j-1} V_{j-1}, then release tile j - 1's stage
+
+Each partition synchronizes only its own warps, so the two consumers drift apart and one's exponentials
+overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
+rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
+then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
+NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.
+
+The arithmetic per row is flash_fwd_hopper's (same tiles, same order of products and softmax steps), so O
+and L equal that kernel's bit for bit (GPU test).  Causal programs run longest first; both consumers walk the
+key tiles of the whole 128-row block (the producer loads them once), each masking with its own rows, so
+a consumer may see a tile whose keys are all after its rows: its scores are masked to -1e6 and add zeros.
+
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper, whose `usable` rules choose it
+(`flash_fwd_hopper.forward` delegates here at the head dims in `HEAD_DIMS`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_launch import direct
+
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
+ROWS = 64
+# (BLOCK_N keys per tile, ring stages).  Measured (H100, causal bf16, CUDA-graph time, standalone probe):
+# 128 x 3 stages 0.908 ms at B 1, H 8, N 16384, d 128 against 1.333 with 2 stages and 1.037 for 64-key tiles
+# with 4 stages; flash_fwd_hopper's kernel took 1.154 there.
+TILES = (128, 3)
+# Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
+# warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
+MAXNREG = 168
+REGS = (240, 24)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads: Q's two halves once (q_bar), then every key tile of the block into the ring, each stage
+    reused once both consumers released it."""
+    bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, 128, CAUSAL)
+    n_tiles, full = fwd.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf.index(0))
+    tma.async_copy_global_to_shared(q_desc, [z, h, start_m + 64, 0], q_bar, q_buf.index(1))
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        if j >= NUM_STAGES:  # the tile this stage held, j - NUM_STAGES, released by both consumers
+            mbarrier.wait(empty.index(stage), ((j // NUM_STAGES) - 1) & 1)
+        mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [z, kv_head, j * BLOCK_N, 0], ready.index(stage),
+                                        k_buf.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [z, kv_head, j * BLOCK_N, 0], ready.index(stage),
+                                        v_buf.index(stage))
+
+
+@gluon.jit
+def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
+              W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+    """Rows start_m + 64 W .. + 64: flash_fwd_hopper's warpgroup loop on the producer's ring, then O through
+    its half of Q's buffer and a TMA store, and L."""
+    dtype: gl.constexpr = o_desc.dtype
+    bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, 128, CAUSAL)
+    row0 = start_m + W * 64
+    n_tiles, full_block = fwd.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)  # the tiles the producer loads
+    n_own, full = fwd.key_tiles(row0, n_k, 64, BLOCK_N, CAUSAL)  # of which this warpgroup's rows see all
+    s_layout: gl.constexpr = fwd.mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = fwd.mma_layout(4, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_smem = q_buf.index(W).reshape([64, HEAD_DIM])
+
+    # -1e6 as the starting max: key 0 is visible to every row and tile 0 comes first (flash_fwd_hopper)
+    m_i = gl.full([64], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    mbarrier.wait(ready.index(0), 0)
+    k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s_tok = fwd.dot_nt(q_smem, k0, s_zero, 0)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
+    if full > 0:
+        p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
+                                               s_layout)
+    else:
+        p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
+                                               s_layout)
+    for j in range(1, n_tiles):
+        stage = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = fwd.dot_nt(q_smem, kj, s_zero, 0)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_prev, fwd._rescaled(acc, alpha), is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
+        if j < full:
+            p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
+                                                   64, BLOCK_N, s_layout)
+        else:
+            p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
+                                                   64, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
+        mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1}, V_{j-1} consumed by this warpgroup
+
+    last = (n_tiles - 1) % NUM_STAGES
+    v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_tok = warpgroup_mma(p_op, v_last, fwd._rescaled(acc, alpha), is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
+    # this warpgroup's half of Q's buffer stages O for the TMA store (rows past Nq are dropped)
+    q_smem.store(fwd._normalized(acc, l_i).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [z, h, row0, 0], q_buf.index(W))
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    gl.store(L + bh * n_q + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < n_q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
+                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                               NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (query tiles of 128 rows, Z * H); num_warps 4 (the first consumer), plus a consumer warpgroup and
+    the producer warp as workers."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_buf = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    k_buf, v_buf, ready = fwd.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 0,
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 1,
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group, CAUSAL,
+                     BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def takes(head_dim: int) -> bool:
+    """Whether `flash_fwd_hopper.forward` runs this kernel at a head dim (whole tiles only: 64 and 128)."""
+    return head_dim in HEAD_DIMS
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+            causal: bool, wrap=direct) -> None:
+    """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in
+    HEAD_DIMS, with `flash_fwd_hopper.usable` strides, k and v with H_kv heads dividing H.  ``wrap``:
+    `flash_launch.direct`, or a `flash_replay.Recorder` recording the launch."""
+    n_q, d = q.shape[-2:]
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the warp-specialized forward takes head dims {HEAD_DIMS}; got d={d}")
+    heads, n_k = q.shape[1], k.shape[-2]
+    block_n, stages = TILES
+    grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
+    wrap(flash_fwd_hopper_ws_kernel)[grid](
+        fwd.descriptor(q, ROWS), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n), fwd.descriptor(o, ROWS),
+        lse, fwd.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
+        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
+    )
