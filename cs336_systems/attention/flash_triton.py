@@ -23,7 +23,8 @@ query rows and stores it, then a dK/dV kernel (K, V resident, loop over query ti
 launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
-asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`), dQ at
+asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`; at d 128
+the warp-specialized `kernels/flash_fwd_hopper_ws`), dQ at
 d 80, 96 and 256 (`kernels/flash_dq_hopper`) and dK/dV at d 64, 80, 96, 128 and 256
 (`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
 faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
@@ -90,8 +91,9 @@ try:  # the Hopper kernels need Triton's experimental Gluon API; without it the 
     from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
     from cs336_systems.attention.kernels import flash_dq_hopper as dq_hopper
     from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
+    from cs336_systems.attention.kernels import flash_fwd_hopper_ws as hopper_ws
 except ImportError:  # pragma: no cover - depends on the installed Triton
-    hopper = dq_hopper = dkdv_hopper = None
+    hopper = hopper_ws = dq_hopper = dkdv_hopper = None
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -205,14 +207,19 @@ def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma:
     record = replayed is None  # a new signature: record it (once; a refused one is not tried again)
     recorder = Recorder(slots) if record else None
     if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
-        # Gluon, sm_90 (flash_fwd_hopper); same L as the portable one
-        hopper.forward(q, k, v, o, lse, is_causal, recorder or wrap)
+        _gluon_forward(q, k, v, o, lse, is_causal, recorder or wrap)
     else:
         cfg = _select(q, k, is_causal, may_tune)
         launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
     if record:
         _remember(key, recorder)
     return o, lse
+
+
+def _gluon_forward(q, k, v, o, lse, is_causal: bool, wrap) -> None:
+    """The Gluon forward (sm_90) for inputs `flash_fwd_hopper.usable` takes: warp-specialized at d 64 and 128
+    (flash_fwd_hopper_ws), flash_fwd_hopper's one-program kernel at the others; same L as the portable one."""
+    (hopper_ws if hopper_ws.takes(q.shape[-1]) else hopper).forward(q, k, v, o, lse, is_causal, wrap)
 
 
 def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None):

@@ -336,7 +336,7 @@ def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
     """flash_triton._forward hands usable eager problems to the Gluon kernel (nothing else launched) and the
     rest, and every traced launch through inductor's wrapper, to the portable one."""
     calls = []
-    monkeypatch.setattr(hopper, "forward", lambda q, k, v, o, lse, causal, wrap: calls.append("hopper"))
+    monkeypatch.setattr(flash_triton, "_gluon_forward", lambda q, k, v, o, lse, causal, wrap: calls.append("hopper"))
     monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
     monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
     q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
@@ -490,7 +490,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
         _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
     ran = []
-    real_fwd, real_dq, real_dkdv = hopper.forward, dq_hopper.dq, dkdv_hopper.dkdv
+    real_fwd, real_dq, real_dkdv = flash_triton._gluon_forward, dq_hopper.dq, dkdv_hopper.dkdv
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
         patch.setenv(dkdv_hopper.ENV, "1")
@@ -500,7 +500,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
             patch.setattr(dkdv_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)
             patch.setattr(dq_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)  # and dQ's long-row tiles
             patch.setattr(hopper, "enough_work", lambda *args: True)
-        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real_fwd(*args))
+        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real_fwd(*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
@@ -515,12 +515,12 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
     which run the same Gluon kernels as the eager call, with the same results."""
     q, k, v = random_qkv((1, heads), n, n, d, torch.bfloat16, "cuda", 7)
     ran = []
-    real = {"fwd": hopper.forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
+    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(hopper.ENV, raising=False)  # the default rules
         patch.delenv(dkdv_hopper.ENV, raising=False)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
-        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
+        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
         outputs = []
@@ -585,7 +585,7 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
         _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
     q, k, v = (t.detach() for t in (q, k, v))
     results = []
-    for run in (ws_hopper.forward, hopper.forward_one_program):
+    for run in (ws_hopper.forward, hopper.forward):
         o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
         run(q, k, v, o, lse, is_causal)
         results.append((o, lse))
@@ -635,12 +635,12 @@ def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads
     q = random_qkv((1, 8), 2048, 2048, 256, torch.bfloat16, "cuda", 13)[0]
     _, k, v = random_qkv((1, 2), 2048, 2048, 256, torch.bfloat16, "cuda", 14)
     ran = []
-    real = {"fwd": hopper.forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
+    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(hopper.ENV, raising=False)
         patch.delenv(dkdv_hopper.ENV, raising=False)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
-        patch.setattr(hopper, "forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
+        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, True)

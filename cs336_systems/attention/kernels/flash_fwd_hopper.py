@@ -31,7 +31,7 @@ L = logsumexp of the scaled scores (natural log, float32) per query row, as the 
 the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
-this kernel is taken.  At d 64 and 128 `forward` runs the warp-specialized form of the same loop instead
+this kernel is taken.  At d 64 and 128 flash_triton runs the warp-specialized form of the same loop instead
 (flash_fwd_hopper_ws: a producer warp and two independent consumer warpgroups; same results, faster).  bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96
 in 128-wide tiles, `tile_dim`).
 """
@@ -177,7 +177,7 @@ def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BL
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+def softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) tile of raw scores, base 2 (qk_scale = log2(e) / sqrt(d)):
     returns (P unnormalized float32, alpha = rescale of the running O, new m, new l).  Masked scores are
@@ -234,13 +234,13 @@ def dot_split_n(a, b_smem, acc, acc_hi, D_SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _rescaled(acc, alpha):
+def rescaled(acc, alpha):
     """acc with each row scaled by alpha's entry (alpha in any row layout)."""
     return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
 
 
 @gluon.jit
-def _normalized(acc, l_i):
+def normalized(acc, l_i):
     """acc with each row divided by l_i's entry (l_i in any row layout)."""
     return acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout)), 1)
 
@@ -292,10 +292,10 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     s_tok = dot_nt(q_smem, k0, s_zero, D_SPLIT)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, False, CAUSAL, BLOCK_M,
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, False, CAUSAL, BLOCK_M,
                                            BLOCK_N, s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, True, CAUSAL, BLOCK_M,
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, start_m, qk_scale, n_k, True, CAUSAL, BLOCK_M,
                                            BLOCK_N, s_layout)
 
     for j in range(1, n_tiles):
@@ -306,17 +306,17 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
         v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
         s_tok = dot_nt(q_smem, kj, s_zero, D_SPLIT)
         if D_SPLIT > 0:
-            o_tok, o2_tok = dot_split_n(p.to(dtype), v_prev, _rescaled(acc, alpha), _rescaled(acc2, alpha), D_SPLIT)
+            o_tok, o2_tok = dot_split_n(p.to(dtype), v_prev, rescaled(acc, alpha), rescaled(acc2, alpha), D_SPLIT)
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, kj))[0]
         else:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, v_prev, _rescaled(acc, alpha), is_async=True)
+            o_tok = warpgroup_mma(p_op, v_prev, rescaled(acc, alpha), is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, False, CAUSAL,
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, False, CAUSAL,
                                                BLOCK_M, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, True, CAUSAL,
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * BLOCK_N, start_m, qk_scale, n_k, True, CAUSAL,
                                                BLOCK_M, BLOCK_N, s_layout)
         if D_SPLIT > 0:
             acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, o2_tok, v_prev))[:2]
@@ -329,11 +329,11 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
     if D_SPLIT > 0:
-        o_tok, o2_tok = dot_split_n(p.to(dtype), v_last, _rescaled(acc, alpha), _rescaled(acc2, alpha), D_SPLIT)
+        o_tok, o2_tok = dot_split_n(p.to(dtype), v_last, rescaled(acc, alpha), rescaled(acc2, alpha), D_SPLIT)
         acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, o2_tok, v_last))[:2]
     else:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_last, _rescaled(acc, alpha), is_async=True)
+        o_tok = warpgroup_mma(p_op, v_last, rescaled(acc, alpha), is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
 
     mbarrier.invalidate(q_bar)
@@ -342,10 +342,10 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     # Q's buffer stages O for the TMA store (rows past Nq are dropped by TMA; sliced: the columns past
     # 64 + D_SPLIT keep Q, dropped as well)
     if D_SPLIT > 0:
-        q_smem.slice(0, 64, 1).store(_normalized(acc, l_i).to(dtype))
-        q_smem.slice(64, W2, 1).store(_normalized(acc2, l_i).to(dtype))
+        q_smem.slice(0, 64, 1).store(normalized(acc, l_i).to(dtype))
+        q_smem.slice(64, W2, 1).store(normalized(acc2, l_i).to(dtype))
     else:
-        q_smem.store(_normalized(acc, l_i).to(dtype))
+        q_smem.store(normalized(acc, l_i).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [z, h, start_m, 0], q_buf)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -404,8 +404,7 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
     MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs of 128 query rows per SM
     (measured: 256 programs at B·H 1, N 32768 won, 128 at N 16384 lost; the 64-row tiles at d 80 / 96 were
-    measured with 512 or more such units); at d 128, where `forward` runs the warp-specialized kernel,
-    WS_MIN_KEYS keys."""
+    measured with 512 or more such units); at d 128, where the warp-specialized kernel runs, WS_MIN_KEYS keys."""
     if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
@@ -413,7 +412,7 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     programs = triton.cdiv(n_q, BLOCK_M) * z * heads  # 128-row units at every tile size: the rule's measured unit
     if d_split(head_dim):
         min_keys = SLICED_MIN_KEYS
-    elif head_dim == 128:  # the warp-specialized kernel (`forward`)
+    elif head_dim == 128:  # the warp-specialized kernel (flash_fwd_hopper_ws)
         min_keys = WS_MIN_KEYS
     else:
         min_keys = MIN_KEYS
@@ -469,19 +468,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
     `usable` strides, k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
-    `flash_replay.Recorder` recording the launch.  At d 64 and 128 the warp-specialized kernel runs
-    (flash_fwd_hopper_ws: same results, bit for bit); `forward_one_program` is this module's kernel."""
-    from cs336_systems.attention.kernels import flash_fwd_hopper_ws as ws  # (it imports this module)
-
-    if ws.takes(q.shape[-1]):
-        ws.forward(q, k, v, o, lse, causal, wrap)
-    else:
-        forward_one_program(q, k, v, o, lse, causal, wrap)
-
-
-def forward_one_program(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                        causal: bool, wrap=direct) -> None:
-    """`forward` with this module's kernel at every head dim in HEAD_DIMS (its two warpgroups in one program)."""
+    `flash_replay.Recorder` recording the launch.  (At d 64 and 128 flash_triton runs the warp-specialized
+    form of this kernel instead: flash_fwd_hopper_ws, same results bit for bit.)"""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
     bm, bn, ring = tiles(d)

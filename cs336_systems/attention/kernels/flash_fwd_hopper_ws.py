@@ -25,8 +25,8 @@ and L equal that kernel's bit for bit (GPU test).  Causal programs run longest f
 key tiles of the whole 128-row block (the producer loads them once), each masking with its own rows, so
 a consumer may see a tile whose keys are all after its rows: its scores are masked to -1e6 and add zeros.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper, whose `usable` rules choose it
-(`flash_fwd_hopper.forward` delegates here at the head dims in `HEAD_DIMS`).
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper, whose `usable` rules choose it: flash_triton
+runs it instead of flash_fwd_hopper's kernel at the head dims in `HEAD_DIMS` (`takes`).
 """
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     s_tok = fwd.dot_nt(q_smem, k0, s_zero, 0)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
-        p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
+        p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     else:
-        p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
+        p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     for j in range(1, n_tiles):
         stage = j % NUM_STAGES
@@ -123,13 +123,13 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
         v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
         s_tok = fwd.dot_nt(q_smem, kj, s_zero, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_prev, fwd._rescaled(acc, alpha), is_async=True)
+        o_tok = warpgroup_mma(p_op, v_prev, fwd.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
-            p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
+            p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = fwd._softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
+            p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
         mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1}, V_{j-1} consumed by this warpgroup
@@ -137,10 +137,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_tok = warpgroup_mma(p_op, v_last, fwd._rescaled(acc, alpha), is_async=True)
+    o_tok = warpgroup_mma(p_op, v_last, fwd.rescaled(acc, alpha), is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
     # this warpgroup's half of Q's buffer stages O for the TMA store (rows past Nq are dropped)
-    q_smem.store(fwd._normalized(acc, l_i).to(dtype))
+    q_smem.store(fwd.normalized(acc, l_i).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [z, h, row0, 0], q_buf.index(W))
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
@@ -174,7 +174,8 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
 
 
 def takes(head_dim: int) -> bool:
-    """Whether `flash_fwd_hopper.forward` runs this kernel at a head dim (whole tiles only: 64 and 128)."""
+    """Whether flash_triton runs this kernel, not flash_fwd_hopper's, at a head dim (whole tiles only: 64 and
+    128)."""
     return head_dim in HEAD_DIMS
 
 
