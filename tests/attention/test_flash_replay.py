@@ -104,6 +104,10 @@ def test_a_descriptor_over_other_memory_is_refused():
     assert not recorder.ok and not recorder.launches
 
 
+# TMA metadata of two descriptors, as Triton 3.6 keeps it per descriptor (`make_tensordesc_arg` reads these keys)
+M128, M64 = {"swizzle": 128, "fp4_padded": False}, {"swizzle": 64, "fp4_padded": False}
+
+
 class _Launcher:
     """Stands in for Triton 3.6's CudaLauncher of a kernel with host descriptors: `launch` is a closure over
     the C launcher, the descriptors' positions and their metadata, as `wrap_handle_tensordesc` builds it."""
@@ -151,7 +155,7 @@ def test_direct_replays_hand_the_c_launcher_pre_expanded_arguments(monkeypatch):
     grid, stream, launch options and metadata, then each argument, descriptors expanded as the wrapper
     expands them (a CUtensorMap then shape and strides; a descriptor lowered to a pointer as its base, shape
     and strides twice and the padding flag), with the new slot tensors in place."""
-    kernel, recorder, encoded = _direct_setup(monkeypatch, [{"swizzle": 128}, None])
+    kernel, recorder, encoded = _direct_setup(monkeypatch, [M128, None])
     (recorded,) = recorder.launches
     assert recorded.direct is not None
     x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
@@ -160,43 +164,45 @@ def test_direct_replays_hand_the_c_launcher_pre_expanded_arguments(monkeypatch):
     assert args[:13] == (3, 2, 1, 7, "fn", False, True, None, None, "meta", None, None, None)
     rest = list(args[13:])
     assert rest[0] is x2
-    assert rest[1:6] == [("map", y2.data_ptr(), {"swizzle": 128}), 4, 8, 8, 1]  # Y: map, shape, strides
+    assert rest[1:6] == [("map", y2.data_ptr(), M128), 4, 8, 8, 1]  # Y: map, shape, strides
     assert rest[6] == 32
     assert rest[7] is x2 and rest[8:13] == [32, 1, False, 32, 1]  # stride: base, shape, strides, padding, again
     assert rest[13:] == [0.5, 16]
-    assert encoded == [(y2.data_ptr(), {"swizzle": 128})] and not kernel.compiled.launched
+    assert encoded == [(y2.data_ptr(), M128)] and not kernel.compiled.launched
 
 
 def test_direct_replays_encode_each_address_once(monkeypatch):
-    kernel, recorder, encoded = _direct_setup(monkeypatch, [{"swizzle": 128}, {"swizzle": 64}])
+    kernel, recorder, encoded = _direct_setup(monkeypatch, [M128, M64])
     x2, y2 = torch.ones(4, 8), torch.ones(4, 8)
     for _ in range(3):
         recorder.replay((x2, y2), stream=0)
     assert len(encoded) == 2 and len(kernel.compiled.run.direct_calls) == 3
     x3 = torch.ones(4, 8)
     recorder.replay((x3, y2), stream=0)
-    assert encoded[2:] == [(x3.data_ptr(), {"swizzle": 64})]  # a new address: encoded, the other one reused
+    assert encoded[2:] == [(x3.data_ptr(), M64)]  # a new address: encoded, the other one reused
     maps = [call[14] for call in kernel.compiled.run.direct_calls]  # Y's map: the same object every time
     assert all(m is maps[0] for m in maps)
     monkeypatch.setattr(flash_replay, "MAX_MAPS", 2)
     x4 = torch.ones(4, 8)
     recorder.replay((x4, y2), stream=0)  # the table holds x2's and x3's maps: at the limit it starts over
     recorder.replay((x3, y2), stream=0)
-    assert encoded[3:] == [(x4.data_ptr(), {"swizzle": 64}), (x3.data_ptr(), {"swizzle": 64})]
+    assert encoded[3:] == [(x4.data_ptr(), M64), (x3.data_ptr(), M64)]
 
 
-@pytest.mark.parametrize("case", ["scratch", "other wrapper", "other descriptors", "release"])
+@pytest.mark.parametrize("case", ["scratch", "other wrapper", "other descriptors", "fp4", "release"])
 def test_launchers_of_another_form_keep_the_ordinary_replay(monkeypatch, case):
     monkeypatch.setattr(flash_replay, "DIRECT_TRITON", case != "release")
     x, y = torch.zeros(4, 8), torch.zeros(4, 8)
     kernel, recorder = _Kernel(), Recorder((x, y))
-    run = _Launcher({1}, [{"swizzle": 128}])
+    run = _Launcher({1}, [M128])
     if case == "scratch":
         run.global_scratch_size = 256
     elif case == "other wrapper":
         run.launch = lambda *args: None
     elif case == "other descriptors":
-        run = _Launcher({3}, [{"swizzle": 128}])  # the wrapper expands a position that holds no descriptor
+        run = _Launcher({3}, [M128])  # the wrapper expands a position that holds no descriptor
+    elif case == "fp4":
+        run = _Launcher({1}, [{"swizzle": 128, "fp4_padded": True}])  # the wrapper doubles its last dim
     kernel.compiled.run = run
     recorder(kernel)[(1,)](x, TensorDescriptor.from_tensor(y, [2, 8]), 32, 8, 1.0)
     assert recorder.ok and recorder.launches[0].direct is None

@@ -32,8 +32,9 @@ the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
 this kernel is taken.  At d 64 and 128 flash_triton runs the warp-specialized form of the same loop instead
-(flash_fwd_hopper_ws: a producer warp and two independent consumer warpgroups; same results, faster).  bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96
-in 128-wide tiles, `tile_dim`).
+(flash_fwd_hopper_ws: a producer warp and two independent consumer warpgroups; same results, faster).
+bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96 in 128-wide tiles,
+`tile_dim`).
 """
 
 from __future__ import annotations

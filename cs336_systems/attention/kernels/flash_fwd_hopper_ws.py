@@ -20,10 +20,13 @@ rebalanced per partition: the launch's 168 a thread over 12 warps (the producer'
 then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
 NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.
 
-The arithmetic per row is flash_fwd_hopper's (same tiles, same order of products and softmax steps), so O
-and L equal that kernel's bit for bit (GPU test).  Causal programs run longest first; both consumers walk the
-key tiles of the whole 128-row block (the producer loads them once), each masking with its own rows, so
-a consumer may see a tile whose keys are all after its rows: its scores are masked to -1e6 and add zeros.
+The arithmetic per row is flash_fwd_hopper's (same tiles, same order of products and softmax steps), so O and
+L equal that kernel's bit for bit (GPU test).  That holds because BLOCK_N equals the 128-row block: each
+consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer would skip
+the mask on a tile that kernel masks, a result as correct but not bit-equal).  Causal programs run longest
+first; both consumers walk the key tiles of the whole 128-row block (the producer loads them once), each
+masking with its own rows, so a consumer may see a tile whose keys are all after its rows: its scores are
+masked to -1e6 and add zeros.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper, whose `usable` rules choose it: flash_triton
 runs it instead of flash_fwd_hopper's kernel at the head dims in `HEAD_DIMS` (`takes`).

@@ -71,6 +71,15 @@ _WRAPPER_CELLS = ("launcher", "tensordesc_indices", "tensordesc_meta")
 MAX_MAPS = 64  # CUtensorMaps kept per recorded descriptor (then its table starts over)
 
 
+def _fp4_padded(meta) -> bool:
+    """Whether a descriptor's TMA metadata marks it fp4-padded (read as Triton 3.6's `make_tensordesc_arg` reads
+    it; metadata that cannot be read so counts as padded, which keeps the launch on the ordinary replay)."""
+    try:
+        return bool(meta["fp4_padded"])
+    except (KeyError, IndexError, TypeError):
+        return True
+
+
 def _encode(descriptor, meta):
     """Triton 3.6's expansion of a host descriptor with TMA metadata: [CUtensorMap, *shape, *strides]."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -130,7 +139,8 @@ class _Direct:
     @staticmethod
     def of(launch: _Launch) -> _Direct | None:
         """The direct form of ``launch``, or None where its launcher is not of the form read in Triton 3.6
-        (scratch memory to allocate per launch, another wrapper, or none of its metadata)."""
+        (scratch memory to allocate per launch, another wrapper, descriptors it does not expand, or an fp4
+        descriptor, whose shape the wrapper widens)."""
         run = launch.compiled.run
         wrapper = getattr(run, "launch", None)
         if (wrapper is None or getattr(run, "global_scratch_size", 1) != 0
@@ -148,6 +158,8 @@ class _Direct:
         descriptors = {position: (slot, template) for position, slot, template in launch.desc_of}
         if set(indices) != set(descriptors) or len(metas) != len(indices):
             return None
+        if any(meta is not None and _fp4_padded(meta) for meta in metas):
+            return None  # the wrapper widens such a descriptor's shape after the map: not expanded here
         slots = dict(launch.slot_of)
         args = [*launch.grid, None, launch.compiled.function, run.launch_cooperative_grid, run.launch_pdl,
                 None, None, launch.compiled.packed_metadata, None, None, None]
