@@ -134,7 +134,11 @@ class _Direct:
     docstring, "Direct launches"): `args` is the whole argument list the C launcher takes, grid and stream
     included, with each slot tensor's place in `slot_at` and each encoded descriptor's in `maps`."""
 
-    __slots__ = ("args", "launcher", "maps", "slot_at", "stream_at")
+    __slots__ = ("args", "launcher", "maps", "slot_at")
+    STREAM_AT = 3  # the stream's place in the C launcher's arguments: after gridX, gridY, gridZ
+
+    def __init__(self, args: list, launcher, maps: list, slot_at: list) -> None:
+        self.args, self.launcher, self.maps, self.slot_at = args, launcher, maps, slot_at
 
     @staticmethod
     def of(launch: _Launch) -> _Direct | None:
@@ -181,13 +185,11 @@ class _Direct:
                     args += [None, *template.shape, *template.strides]
             else:
                 args.append(value)
-        direct = _Direct()
-        direct.args, direct.launcher, direct.maps, direct.slot_at, direct.stream_at = args, launcher, maps, slot_at, 3
-        return direct
+        return _Direct(args, launcher, maps, slot_at)
 
     def launch(self, slots: tuple[torch.Tensor, ...], stream: int) -> None:
         args = self.args.copy()
-        args[self.stream_at] = stream
+        args[self.STREAM_AT] = stream
         for at, slot in self.slot_at:
             args[at] = slots[slot]
         for at, slot, template, meta, table in self.maps:
