@@ -236,7 +236,7 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
-    if gluon and dq_hopper.usable(q, k, v, o, do):
+    if gluon and dq_hopper.usable(q, k, v, o, do, is_causal):
         # Gluon, sm_90 (flash_dq_hopper); also delta
         dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, recorder or wrap)
     else:
@@ -334,14 +334,14 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
 
 @torch.compiler.assume_constant_result
 def _gluon_chosen(z: int, heads: int, kv_heads: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype,
-                  device: torch.device) -> bool:
+                  device: torch.device, is_causal: bool = True) -> bool:
     """Whether a call of these sizes would run one of the Hopper (Gluon) kernels (their modules' `fits`; the
     per-tensor layout rules are checked again when the custom op runs).  A constant to dynamo, like
     `_configured_tma`."""
     if hopper is None:
         return False
     sizes = (z, heads, kv_heads, n_queries, n_keys, d, dtype, device)
-    return hopper.fits(*sizes) or dq_hopper.fits(*sizes) or dkdv_hopper.fits(*sizes)
+    return hopper.fits(*sizes) or dq_hopper.fits(*sizes, is_causal) or dkdv_hopper.fits(*sizes)
 
 
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -357,7 +357,7 @@ def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         return False
     n_queries, d = q.shape[-2:]
     if hopper is not None and all(hopper.strides_ok(t) for t in (q, k, v)) and _gluon_chosen(
-            q.shape[0], q.shape[1], k.shape[1], n_queries, k.shape[-2], d, q.dtype, q.device):
+            q.shape[0], q.shape[1], k.shape[1], n_queries, k.shape[-2], d, q.dtype, q.device, is_causal):
         return False
     wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
     return not (wants_tma and k.is_contiguous() and v.is_contiguous())

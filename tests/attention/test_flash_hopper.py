@@ -360,7 +360,7 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
     monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
     usable = {"dq": True, "dkdv": True}
-    monkeypatch.setattr(dq_hopper, "usable", lambda q, k, v, o, do: usable["dq"])
+    monkeypatch.setattr(dq_hopper, "usable", lambda q, k, v, o, do, causal: usable["dq"])
     monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["dkdv"])
     q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
     lse = torch.empty(1, 2, 16)
@@ -404,6 +404,32 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hoppe
     assert dq_hopper.usable(*qkv(1, 1, 16))
 
 
+def test_dq_kernel_takes_d128_without_the_causal_mask(hopper_machine, monkeypatch):
+    """Not causal at d 128 (where the portable dQ's tiles are not tuned) the Gluon dQ is the default from
+    NONCAUSAL_MIN_QUERIES queries; causal d 128 and d 64 either way stay portable; ENV "0" still wins."""
+    assert dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=False)
+    assert not dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=True)
+    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)
+    assert not dq_hopper.wanted(128, torch.float32, CUDA, causal=False)
+
+    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: dtype is torch.bfloat16)  # CPU tensors
+
+    def qkv(n, d=128, hq=8, hkv=2):
+        q = torch.empty(2, hq, n, d, dtype=torch.bfloat16)
+        k = torch.empty(2, hkv, n, d, dtype=torch.bfloat16)
+        return q, k, k, q, q
+
+    low = dq_hopper.NONCAUSAL_MIN_QUERIES
+    assert dq_hopper.usable(*qkv(low), causal=False) and dq_hopper.usable(*qkv(4 * low), causal=False)
+    assert not dq_hopper.usable(*qkv(low - 1), causal=False)
+    assert not dq_hopper.usable(*qkv(4 * low), causal=True)
+    assert not dq_hopper.usable(*qkv(4 * low, d=64), causal=False)
+    assert dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA, False)
+    assert not dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA)  # causal by default
+    monkeypatch.setenv(dq_hopper.ENV, "0")
+    assert not dq_hopper.usable(*qkv(4 * low), causal=False)
+
+
 def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monkeypatch):
     """inductor cannot launch a Gluon kernel, so a traced call whose sizes a Gluon kernel `fits` keeps the
     custom ops (which run it), whatever the portable configuration wants; otherwise the rule is unchanged."""
@@ -435,10 +461,12 @@ def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
         sizes = (z, h, hkv, n, n, d, q.dtype, q.device)
         for name, usable, fits in [("fwd", hopper.usable(q, k, k), hopper.fits(*sizes)),
                                    ("dq", dq_hopper.usable(q, k, k, q, q), dq_hopper.fits(*sizes)),
+                                   ("dq not causal", dq_hopper.usable(q, k, k, q, q, False),
+                                    dq_hopper.fits(*sizes, False)),
                                    ("dkdv", dkdv_hopper.usable(q, k, k, q), dkdv_hopper.fits(*sizes))]:
             assert usable == fits, (name, z, h, hkv, n, d)
             seen.add((name, fits))
-    assert len(seen) == 6  # each kernel both taken and not taken among these sizes
+    assert len(seen) == 8  # each kernel both taken and not taken among these sizes
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ columns, and dQ accumulates in two register tiles of those widths (`flash_fwd_ho
 the tile's zero columns.
 
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
-float32 accumulator) run at a third of the tensor cores' rate, and d 80 and 96 from SLICED_MIN_QUERIES to
-SLICED_MAX_QUERIES; at d 64 and 128 the portable kernel's 128-row programs measured faster at long sequences
-(docs/flash-attention.md, Section 14).
+float32 accumulator) run at a third of the tensor cores' rate, d 80 and 96 from SLICED_MIN_QUERIES to
+SLICED_MAX_QUERIES, and d 128 without the causal mask (NONCAUSAL_HEAD_DIMS), where the portable kernel's
+tiles are not tuned; causal at d 64 and 128 the portable kernel's 128-row programs measured faster at long
+sequences (docs/flash-attention.md, Section 14).
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
 flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
@@ -65,6 +66,12 @@ SLICED_MIN_QUERIES = 512
 # ... up to the longest rows measured with slices; before them the whole-tile kernel lost at B·H 1, N 65536
 # (+17%), so longer rows keep the portable dQ.
 SLICED_MAX_QUERIES = 16384
+# Not causal, d 128: the portable dQ's tiles there (64 x 64, 8 warps, 2 stages; the tuned table's d 128 entries
+# are causal) took 2.1-2.4x this kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768,
+# B·H 2-128: 6.51 vs 2.98 ms at B 1, H 8, N 16384).  At d 64 the two were within 1-11% (portable slower) and
+# compiled calls there keep inductor's launches, so d 64 stays portable.
+NONCAUSAL_HEAD_DIMS = (128,)
+NONCAUSAL_MIN_QUERIES = 1024
 
 
 # d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
@@ -187,32 +194,39 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     tma.store_wait(0)
 
 
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims."""
-    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> bool:
+    """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims: by default
+    DEFAULT_HEAD_DIMS, and NONCAUSAL_HEAD_DIMS too when not ``causal``."""
+    defaults = DEFAULT_HEAD_DIMS if causal else DEFAULT_HEAD_DIMS + NONCAUSAL_HEAD_DIMS
+    return fwd.switched_on(ENV, HEAD_DIMS, defaults, head_dim, dtype, device)
 
 
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device) -> bool:
+         device: torch.device, causal: bool = True) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h) slices, and, unless ENV is
     "1", the measured territory: at least MIN_QUERIES queries at a power-of-two head dim; at d 80 and 96
     SLICED_MIN_QUERIES to SLICED_MAX_QUERIES with the products sliced (`flash_fwd_hopper.d_split`), never
-    with whole tiles (slower than the portable kernel at N 8192 and 65536)."""
-    if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
+    with whole tiles (slower than the portable kernel at N 8192 and 65536); not ``causal`` at
+    NONCAUSAL_HEAD_DIMS, at least NONCAUSAL_MIN_QUERIES queries."""
+    if not (wanted(head_dim, dtype, device, causal) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
     if fwd.d_split(head_dim):
         return SLICED_MIN_QUERIES <= n_q <= SLICED_MAX_QUERIES
+    if not causal and head_dim in NONCAUSAL_HEAD_DIMS:
+        return n_q >= NONCAUSAL_MIN_QUERIES
     return fwd.tile_dim(head_dim) == head_dim and n_q >= MIN_QUERIES
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor) -> bool:
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+           causal: bool = True) -> bool:
     """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses (O is read by pointers:
     the same rule; checked last, as in `flash_fwd_hopper.usable`)."""
     if q.dim() != 4 or k.dim() != 4:
         return False
-    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
+    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device,
+                 causal)
             and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, o, do)))
 
 
