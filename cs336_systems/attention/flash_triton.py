@@ -25,7 +25,7 @@ launches, every output tile has exactly one writer, no atomics.
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
 asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`; at d 128
 the warp-specialized `kernels/flash_fwd_hopper_ws`), dQ at
-d 80, 96 and 256 (`kernels/flash_dq_hopper`) and dK/dV at d 64, 80, 96, 128 and 256
+d 80, 96 and 256, and at d 128 without the causal mask (`kernels/flash_dq_hopper`), and dK/dV at d 64, 80, 96, 128 and 256
 (`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
 faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
 (`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) / ``CS336_FLASH_HOPPER_BWD`` (dQ and dK/dV): ``0``
@@ -334,7 +334,7 @@ def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.d
 
 @torch.compiler.assume_constant_result
 def _gluon_chosen(z: int, heads: int, kv_heads: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype,
-                  device: torch.device, is_causal: bool = True) -> bool:
+                  device: torch.device, is_causal: bool) -> bool:
     """Whether a call of these sizes would run one of the Hopper (Gluon) kernels (their modules' `fits`; the
     per-tensor layout rules are checked again when the custom op runs).  A constant to dynamo, like
     `_configured_tma`."""

@@ -360,7 +360,13 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
     monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
     usable = {"dq": True, "dkdv": True}
-    monkeypatch.setattr(dq_hopper, "usable", lambda q, k, v, o, do, causal: usable["dq"])
+    causal_seen = []
+
+    def dq_usable(q, k, v, o, do, causal):
+        causal_seen.append(causal)
+        return usable["dq"]
+
+    monkeypatch.setattr(dq_hopper, "usable", dq_usable)
     monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["dkdv"])
     q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
     lse = torch.empty(1, 2, 16)
@@ -373,6 +379,8 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     usable["dq"], usable["dkdv"] = True, False
     flash_triton._backward(q, q, q, q, lse, q, True)
     assert calls[4:] == ["portable dq", "hopper dkdv", "hopper dq", "portable dkdv"]
+    flash_triton._backward(q, q, q, q, lse, q, False)  # the dQ rule depends on the mask: it is passed on
+    assert causal_seen[-1] is False and causal_seen[:-1] and all(causal_seen[:-1])
 
 
 def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hopper_machine, monkeypatch):
@@ -436,8 +444,14 @@ def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monk
     monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
     monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)  # the portable tiles: pointers
     chosen = {"fwd": False, "dq": False, "dkdv": False}
+    dq_causal = []
+
+    def dq_fits(*sizes):
+        dq_causal.append(sizes[8])  # (z, heads, kv_heads, n_q, n_k, d, dtype, device, causal)
+        return chosen["dq"]
+
     monkeypatch.setattr(hopper, "fits", lambda *sizes: chosen["fwd"])
-    monkeypatch.setattr(dq_hopper, "fits", lambda *sizes: chosen["dq"])
+    monkeypatch.setattr(dq_hopper, "fits", dq_fits)
     monkeypatch.setattr(dkdv_hopper, "fits", lambda *sizes: chosen["dkdv"])
     q = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
     assert flash_triton._inductor_path(q, q, q, True)
@@ -446,6 +460,9 @@ def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monk
         assert not flash_triton._inductor_path(q, q, q, True), which
     broadcast = torch.empty(1, 1, 4096, 128, dtype=torch.bfloat16).expand(1, 8, 4096, 128)
     assert flash_triton._inductor_path(q, broadcast, broadcast, True)  # no Gluon kernel takes these
+    chosen.update(fwd=False, dq=False, dkdv=False)
+    flash_triton._inductor_path(q, q, q, False)
+    assert dq_causal[-1] is False and set(dq_causal[:-1]) == {True}  # the mask reaches the dQ rule
 
 
 def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):

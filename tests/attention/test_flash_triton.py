@@ -933,7 +933,7 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
 
     (o, *grads), code = run_and_get_code(compiled_step)
     code = "".join(code)
-    if flash_triton._gluon_chosen(4, heads, kv_heads, 512, 512, d, torch.bfloat16, q.device):
+    if flash_triton._gluon_chosen(4, heads, kv_heads, 512, 512, d, torch.bfloat16, q.device, True):
         assert "torch.ops.cs336.flash_attn_fwd.default" in code and "torch.ops.cs336.flash_attn_bwd.default" in code
     else:  # inductor launches the kernels itself, forward and backward: no registered custom op is called
         assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))

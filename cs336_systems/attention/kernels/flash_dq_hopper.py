@@ -66,10 +66,11 @@ SLICED_MIN_QUERIES = 512
 # ... up to the longest rows measured with slices; before them the whole-tile kernel lost at B·H 1, N 65536
 # (+17%), so longer rows keep the portable dQ.
 SLICED_MAX_QUERIES = 16384
-# Not causal, d 128: the portable dQ's tiles there (64 x 64, 8 warps, 2 stages; the tuned table's d 128 entries
-# are causal) took 2.1-2.4x this kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768,
-# B·H 2-128: 6.51 vs 2.98 ms at B 1, H 8, N 16384).  At d 64 the two were within 1-11% (portable slower) and
-# compiled calls there keep inductor's launches, so d 64 stays portable.
+# Not causal, d 128: the portable dQ's tiles there (64 x 64, 8 warps, 2 stages; the tuned table's entries are all
+# causal) took 2.1-2.4x this kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768,
+# B·H 1-128: 6.51 vs 2.98 ms at B 1, H 8, N 16384).  At d 64 the portable dQ was 1-3% slower (11% at B·H 1,
+# N 16384), and compiled calls there keep inductor's launches only while no Gluon kernel is chosen, so d 64
+# stays portable.
 NONCAUSAL_HEAD_DIMS = (128,)
 NONCAUSAL_MIN_QUERIES = 1024
 
