@@ -554,8 +554,12 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
 
 @pytest.mark.gpu
 @ON_HOPPER
-@pytest.mark.parametrize("heads, n, d, expected", [(8, 16384, 128, ["fwd", "dkdv"]), (2, 4096, 256, ["dq", "dkdv"])])
-def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, expected):
+@pytest.mark.parametrize("heads, n, d, is_causal, expected", [
+    (8, 16384, 128, True, ["fwd", "dkdv"]),
+    (2, 4096, 256, True, ["dq", "dkdv"]),
+    (8, 4096, 128, False, ["fwd", "dq", "dkdv"]),  # without the mask the Gluon dQ too (NONCAUSAL_HEAD_DIMS)
+])
+def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, is_causal, expected):
     """torch.compile(fullgraph=True) at sizes the Gluon kernels take: the traced call keeps the custom ops,
     which run the same Gluon kernels as the eager call, with the same results."""
     q, k, v = random_qkv((1, heads), n, n, d, torch.bfloat16, "cuda", 7)
@@ -572,7 +576,7 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
         for fn in (FlashAttentionTriton.apply, torch.compile(FlashAttentionTriton.apply, fullgraph=True)):
             ran.clear()
             q.grad = k.grad = v.grad = None
-            o = fn(q, k, v, True)
+            o = fn(q, k, v, is_causal)
             o.float().square().sum().backward()
             assert ran == expected, (fn, ran)
             outputs.append([t.detach().clone() for t in (o, q.grad, k.grad, v.grad)])
