@@ -178,6 +178,18 @@ def load_kv(k_desc, v_desc, k_smem, v_smem, ready, z, kv_head, tile, n_tiles, BL
 
 
 @gluon.jit
+def wait_kv(k_buf, v_buf, ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Wait until key tile j has landed in its ring stage; returns (K_j, V_{j-1}) as (BLOCK_N, HEAD_DIM)
+    shared-memory views and the ring stage of tile j - 1, whose P V product the caller issues next."""
+    prev = (j - 1) % NUM_STAGES
+    stage = j % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+    kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
+    return kj, v_prev, prev
+
+
+@gluon.jit
 def softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) tile of raw scores, base 2 (qk_scale = log2(e) / sqrt(d)):
@@ -300,11 +312,7 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
                                            BLOCK_N, s_layout)
 
     for j in range(1, n_tiles):
-        stage = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-        kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
-        v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        kj, v_prev, prev = wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
         s_tok = dot_nt(q_smem, kj, s_zero, D_SPLIT)
         if D_SPLIT > 0:
             o_tok, o2_tok = dot_split_n(p.to(dtype), v_prev, rescaled(acc, alpha), rescaled(acc2, alpha), D_SPLIT)

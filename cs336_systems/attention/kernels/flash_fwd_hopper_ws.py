@@ -95,7 +95,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, 128, CAUSAL)
     row0 = start_m + W * 64
     n_tiles, full_block = fwd.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)  # the tiles the producer loads
-    n_own, full = fwd.key_tiles(row0, n_k, 64, BLOCK_N, CAUSAL)  # of which this warpgroup's rows see all
+    full = fwd.key_tiles(row0, n_k, 64, BLOCK_N, CAUSAL)[1]  # of those, the tiles this warpgroup's rows see all of
     s_layout: gl.constexpr = fwd.mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = fwd.mma_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -119,11 +119,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
         p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     for j in range(1, n_tiles):
-        stage = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-        kj = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
-        v_prev = v_buf.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        kj, v_prev, prev = fwd.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
         s_tok = fwd.dot_nt(q_smem, kj, s_zero, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_tok = warpgroup_mma(p_op, v_prev, fwd.rescaled(acc, alpha), is_async=True)
