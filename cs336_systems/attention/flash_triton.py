@@ -24,8 +24,9 @@ launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
 asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`; at d 128
-the warp-specialized `kernels/flash_fwd_hopper_ws`), dQ at d 80, 96 and 256, and at d 128 without the
-causal mask (`kernels/flash_dq_hopper`), and dK/dV at d 64, 80, 96, 128 and 256
+the warp-specialized `kernels/flash_fwd_hopper_ws`), dQ at d 80, 96 and 256, at d 128 without the
+causal mask, and causal at d 64 and 128 from 2048 queries up to 4096 / 8192 (`kernels/flash_dq_hopper`),
+and dK/dV at d 64, 80, 96, 128 and 256
 (`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
 faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
 (`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) / ``CS336_FLASH_HOPPER_BWD`` (dQ and dK/dV): ``0``

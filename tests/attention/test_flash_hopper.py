@@ -218,11 +218,13 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
 
 def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
     """dQ at d 256 takes 64-key steps with two stages from LONG_QUERIES queries or with fewer 64-row programs
-    than SMs, 32-key steps with three otherwise; the 64- and 128-wide tiles one choice everywhere."""
+    than SMs, 32-key steps with three otherwise; at d 128 64 x 64 tiles with two stages from
+    TWO_STAGE_PROGRAMS programs (by the mask) and three below; d 64 and the 128-wide tiles of d 80 / 96 always
+    three."""
     chosen = []
     monkeypatch.setattr(dq_hopper.fwd, "descriptor", lambda t, rows: None)
-    monkeypatch.setattr(dq_hopper, "tiles", lambda width, long_rows=False, real=dq_hopper.tiles:
-                        chosen.append(real(width, long_rows)) or real(width, long_rows))
+    monkeypatch.setattr(dq_hopper, "tiles", lambda width, long_rows=False, two=False, real=dq_hopper.tiles:
+                        chosen.append(real(width, long_rows, two)) or real(width, long_rows, two))
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
 
@@ -232,10 +234,10 @@ def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
 
     monkeypatch.setattr(dq_hopper, "flash_dq_hopper_kernel", NoLaunch())
 
-    def plan(bh, n, d):
+    def plan(bh, n, d, causal=True):
         chosen.clear()
         q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
-        dq_hopper.dq(q, q, q, q, q, None, None, q, True)
+        dq_hopper.dq(q, q, q, q, q, None, None, q, causal)
         return chosen[0]
 
     long, short = dq_hopper.TILES_LONG_256, (64, 32, 3)
@@ -246,7 +248,11 @@ def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
     assert plan(8, 2048, 256) == short
     assert plan(1, 4096, 256) == long  # 64 programs: fewer than the SMs
     assert plan(2, 4160, 256) == long and plan(2, 4224, 256) == short  # 130 and 132 programs, 132 SMs
-    assert plan(16, 8192, 128) == plan(1, 128, 64) == (64, 64, 3)
+    assert plan(1, 8192, 128) == plan(1, 128, 64) == plan(64, 8192, 64) == plan(64, 8192, 96) == (64, 64, 3)
+    assert dq_hopper.TWO_STAGE_PROGRAMS == {True: 1024, False: 512}
+    assert plan(16, 4096, 128) == plan(16, 8192, 128) == (64, 64, 2)  # 1024 and 2048 programs
+    assert plan(15, 4096, 128) == plan(8, 4096, 128) == (64, 64, 3)  # 960 and 512 programs, causal
+    assert plan(8, 4096, 128, causal=False) == (64, 64, 2) and plan(7, 4096, 128, causal=False) == (64, 64, 3)
 
 
 def test_tiles_fit_shared_memory_at_every_head_dim():
@@ -275,7 +281,8 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
             assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
         w = hopper.tile_dim(d)
-        for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, long_rows=True)}:
+        for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, long_rows=True),
+                                         dq_hopper.tiles(w, two_stages=True)}:
             assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
 
 
@@ -388,7 +395,7 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hoppe
     assert dq_hopper.ENV == dkdv_hopper.ENV
     assert dq_hopper.wanted(256, torch.bfloat16, CUDA) and dq_hopper.wanted(256, torch.float16, CUDA)
     assert dq_hopper.wanted(80, torch.bfloat16, CUDA) and dq_hopper.wanted(96, torch.float16, CUDA)
-    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA) and not dq_hopper.wanted(128, torch.bfloat16, CUDA)
+    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)
     assert not dq_hopper.wanted(256, torch.float32, CUDA)
 
     def qkv(hq, hkv, n, d=256):
@@ -414,9 +421,8 @@ def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hoppe
 
 def test_dq_kernel_takes_d128_without_the_causal_mask(hopper_machine, monkeypatch):
     """Not causal at d 128 (where the portable dQ's tiles are not tuned) the Gluon dQ is the default from
-    NONCAUSAL_MIN_QUERIES queries; causal d 128 and d 64 either way stay portable; ENV "0" still wins."""
+    NONCAUSAL_MIN_QUERIES queries, and not at d 64; ENV "0" still wins."""
     assert dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=False)
-    assert not dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=True)
     assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)
     assert not dq_hopper.wanted(128, torch.float32, CUDA, causal=False)
 
@@ -430,12 +436,37 @@ def test_dq_kernel_takes_d128_without_the_causal_mask(hopper_machine, monkeypatc
     low = dq_hopper.NONCAUSAL_MIN_QUERIES
     assert dq_hopper.usable(*qkv(low), causal=False) and dq_hopper.usable(*qkv(4 * low), causal=False)
     assert not dq_hopper.usable(*qkv(low - 1), causal=False)
-    assert not dq_hopper.usable(*qkv(4 * low), causal=True)
     assert not dq_hopper.usable(*qkv(4 * low, d=64), causal=False)
     assert dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA, False)
-    assert not dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA)  # causal by default
+    assert not dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA)  # causal by default: its own rule
     monkeypatch.setenv(dq_hopper.ENV, "0")
     assert not dq_hopper.usable(*qkv(4 * low), causal=False)
+
+
+def test_dq_kernel_takes_causal_d64_and_d128_in_the_measured_range(hopper_machine, monkeypatch):
+    """Causal at d 64 and 128 the Gluon dQ is the default from CAUSAL_MIN_QUERIES to CAUSAL_MAX_QUERIES queries
+    (4096 at d 64, 8192 at d 128) with at least CAUSAL_MIN_PROGRAMS_PER_SM 64-row programs per SM (two at d 64,
+    one at d 128); grouped K/V heads count their query heads; ENV "0" still wins."""
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: True)
+    assert dq_hopper.wanted(64, torch.bfloat16, CUDA) and dq_hopper.wanted(128, torch.bfloat16, CUDA)
+    assert dq_hopper.CAUSAL_MIN_QUERIES == 2048 and dq_hopper.CAUSAL_MAX_QUERIES == {64: 4096, 128: 8192}
+
+    def fits(z, h, n, d, hkv=None):
+        return dq_hopper.fits(z, h, hkv or h, n, n, d, torch.bfloat16, CUDA, True)
+
+    assert fits(1, 16, 2048, 128) and fits(1, 16, 8192, 128) and fits(1, 32, 4096, 128, hkv=8)
+    assert not fits(1, 16, 2047, 128) and not fits(1, 16, 8193, 128) and not fits(1, 8, 16384, 128)
+    assert fits(1, 5, 2048, 128) and not fits(1, 4, 2048, 128)  # 160 and 128 programs, 132 SMs
+    assert fits(1, 16, 2048, 64) and fits(4, 16, 4096, 64) and fits(1, 8, 4096, 64)
+    assert not fits(1, 16, 4160, 64) and not fits(1, 16, 16384, 64)  # the leaderboard keeps the portable dQ
+    assert not fits(1, 8, 2048, 64) and fits(1, 9, 2048, 64)  # 256 and 288 programs: two per SM
+    assert not fits(4, 25, 512, 64)  # the xl model's calls
+    q = torch.empty(1, 16, 2048, 64, dtype=torch.bfloat16)
+    assert dq_hopper.usable(q, q, q, q, q) and not dq_hopper.usable(q, q, q, q, q, False)
+    monkeypatch.setenv(dq_hopper.ENV, "0")
+    assert not fits(1, 16, 2048, 128)
 
 
 def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monkeypatch):
@@ -558,6 +589,8 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     (8, 16384, 128, True, ["fwd", "dkdv"]),
     (2, 4096, 256, True, ["dq", "dkdv"]),
     (8, 4096, 128, False, ["fwd", "dq", "dkdv"]),  # without the mask the Gluon dQ too (NONCAUSAL_HEAD_DIMS)
+    (16, 4096, 128, True, ["fwd", "dq", "dkdv"]),  # causal d 128 in CAUSAL_MAX_QUERIES: dQ with two stages
+    (16, 2048, 64, True, ["dq", "dkdv"]),  # causal d 64 from CAUSAL_MIN_QUERIES (the forward stays portable)
 ])
 def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, is_causal, expected):
     """torch.compile(fullgraph=True) at sizes the Gluon kernels take: the traced call keeps the custom ops,
@@ -582,6 +615,28 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
             outputs.append([t.detach().clone() for t in (o, q.grad, k.grad, v.grad)])
     for eager, compiled in zip(*outputs):
         torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("is_causal, n", [(True, 2000), (False, 1000)])
+def test_gpu_d128_dq_stage_counts_agree_bit_for_bit(monkeypatch, is_causal, n):
+    """The Gluon dQ at d 128 with two ring stages (`two_stages`: large grids) and with three does the same
+    arithmetic per output: dQ and delta bit-equal, ragged ends included."""
+    g = torch.Generator("cuda").manual_seed(12)
+    q, k, v, do = (torch.randn(2, 3, n, 128, generator=g, device="cuda").bfloat16() for _ in range(4))
+    o, lse = flash_triton._forward(q, k, v, is_causal, tma=0)  # portable forward
+    stages, results = [], []
+    real = dq_hopper.tiles
+    monkeypatch.setattr(dq_hopper, "tiles", lambda *args: stages.append(real(*args)[2]) or real(*args))
+    for threshold in (0, 1 << 30):
+        monkeypatch.setattr(dq_hopper, "TWO_STAGE_PROGRAMS", {True: threshold, False: threshold})
+        delta, dq = torch.empty_like(lse), torch.empty_like(q)
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)
+        results.append((dq, delta))
+    assert stages == [2, 3]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
 
 
 @pytest.mark.gpu

@@ -25,9 +25,11 @@ the tile's zero columns.
 
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
 float32 accumulator) run at a third of the tensor cores' rate, d 80 and 96 from SLICED_MIN_QUERIES to
-SLICED_MAX_QUERIES, and d 128 without the causal mask (NONCAUSAL_HEAD_DIMS), where the portable kernel's
-tiles are not tuned; causal at d 64 and 128 the portable kernel's 128-row programs measured faster at long
-sequences (docs/flash-attention.md, Section 14).
+SLICED_MAX_QUERIES, d 128 without the causal mask (NONCAUSAL_HEAD_DIMS), where the portable kernel's
+tiles are not tuned, and causal at d 64 and 128 (CAUSAL_HEAD_DIMS) from CAUSAL_MIN_QUERIES to
+CAUSAL_MAX_QUERIES with enough programs; at longer causal rows the portable kernel's 128-row programs
+measured faster (docs/flash-attention.md, Section 14).  At d 128 the ring has two stages once the grid is
+large enough (`two_stages`): two programs an SM instead of one.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
 flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
@@ -73,6 +75,23 @@ SLICED_MAX_QUERIES = 16384
 # stays portable.
 NONCAUSAL_HEAD_DIMS = (128,)
 NONCAUSAL_MIN_QUERIES = 1024
+# Causal at d 64 and 128, against the portable dQ (H100, bf16, kernel alone, CUDA-graph time, B·H 1-64 x N
+# 1024-16384): d 128, with the stages `two_stages` picks, as fast or faster from N 2048 to 8192 wherever the
+# grid has a program per SM (-1.5 to -19%, e.g. 0.228 vs 0.282 ms at B·H 64, N 2048, 0.783 vs 0.955 at N 4096,
+# 0.388 vs 0.468 at 32 query heads on 8 K/V heads, N 4096; a tie at B·H 16, N 8192), slower at N 16384 from
+# B·H 16 (+1-3%); d 64 faster at N 2048 (-6 to -34%) and at N 4096 with many programs (-7% at
+# B·H 64, -1% at 16), slower at N 4096 with few (+15% at B·H 1) and at N 8192 (+4 to +17%).  Not below
+# CAUSAL_MIN_QUERIES, where the other Gluon kernels do not take these head dims either, so that compiled
+# calls there keep inductor's launches (the models' N 512 calls are host-bound).
+CAUSAL_HEAD_DIMS = (64, 128)
+CAUSAL_MIN_QUERIES = 2048
+CAUSAL_MAX_QUERIES = {64: 4096, 128: 8192}
+CAUSAL_MIN_PROGRAMS_PER_SM = {64: 2, 128: 1}  # 64-row programs
+# d 128: Q + dO 32 KB and two stages of K + V (64 KB) fit two programs an SM, where three stages (128 KB) fit
+# one.  Two stages measured faster once the grid is large (same probe: causal 0.783 vs 0.890 ms at B·H 64,
+# N 4096, 1024-4096 programs; not causal 2.64 vs 3.05 at B·H 8, N 16384, 512 programs and more) and slower
+# below (causal +18% at B·H 4, N 8192, 512 programs; +12-22% at B·H 1; not causal +9% at B·H 8, N 1024).
+TWO_STAGE_PROGRAMS = {True: 1024, False: 512}  # by causal
 
 
 # d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
@@ -83,13 +102,18 @@ TILES_LONG_256 = (64, 64, 2)
 LONG_QUERIES = 8192
 
 
-def tiles(head_dim: int, long_rows: bool = False) -> tuple[int, int, int]:
+def tiles(head_dim: int, long_rows: bool = False, two_stages: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M query rows per program, BLOCK_N keys per step, ring stages).  d 256: 64 x 32 with 3 stages (Q + dO
     64 KB and 3 x (K + V) 96 KB), or TILES_LONG_256 for `long_rows` (`dq`: at least LONG_QUERIES queries, or
-    fewer programs than SMs).  d 64 and 128 take 64 x 64 with 3 stages."""
+    fewer programs than SMs).  Tile widths 64 and 128: 64 x 64 with 3 stages, 2 with `two_stages`."""
     if head_dim <= 128:
-        return (64, 64, 3)
+        return (64, 64, 2 if two_stages else 3)
     return TILES_LONG_256 if long_rows else (64, 32, 3)
+
+
+def two_stages(head_dim: int, programs: int, causal: bool) -> bool:
+    """Two ring stages (two programs an SM) at d 128 with at least TWO_STAGE_PROGRAMS 64-row programs."""
+    return head_dim == 128 and programs >= TWO_STAGE_PROGRAMS[causal]
 
 
 @gluon.jit
@@ -197,8 +221,8 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
 
 def wanted(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> bool:
     """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims: by default
-    DEFAULT_HEAD_DIMS, and NONCAUSAL_HEAD_DIMS too when not ``causal``."""
-    defaults = DEFAULT_HEAD_DIMS if causal else DEFAULT_HEAD_DIMS + NONCAUSAL_HEAD_DIMS
+    DEFAULT_HEAD_DIMS, and CAUSAL_HEAD_DIMS or NONCAUSAL_HEAD_DIMS by ``causal``."""
+    defaults = DEFAULT_HEAD_DIMS + (CAUSAL_HEAD_DIMS if causal else NONCAUSAL_HEAD_DIMS)
     return fwd.switched_on(ENV, HEAD_DIMS, defaults, head_dim, dtype, device)
 
 
@@ -208,7 +232,9 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     "1", the measured territory: at least MIN_QUERIES queries at a power-of-two head dim; at d 80 and 96
     SLICED_MIN_QUERIES to SLICED_MAX_QUERIES with the products sliced (`flash_fwd_hopper.d_split`), never
     with whole tiles (slower than the portable kernel at N 8192 and 65536); not ``causal`` at
-    NONCAUSAL_HEAD_DIMS, at least NONCAUSAL_MIN_QUERIES queries."""
+    NONCAUSAL_HEAD_DIMS, at least NONCAUSAL_MIN_QUERIES queries; ``causal`` at CAUSAL_HEAD_DIMS,
+    CAUSAL_MIN_QUERIES to CAUSAL_MAX_QUERIES queries in at least CAUSAL_MIN_PROGRAMS_PER_SM 64-row programs
+    per SM."""
     if not (wanted(head_dim, dtype, device, causal) and z * heads <= 65535):
         return False
     if env_switch(ENV) == "1":
@@ -217,6 +243,10 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
         return SLICED_MIN_QUERIES <= n_q <= SLICED_MAX_QUERIES
     if not causal and head_dim in NONCAUSAL_HEAD_DIMS:
         return n_q >= NONCAUSAL_MIN_QUERIES
+    if causal and head_dim in CAUSAL_HEAD_DIMS:
+        programs = triton.cdiv(n_q, 64) * z * heads
+        return (CAUSAL_MIN_QUERIES <= n_q <= CAUSAL_MAX_QUERIES[head_dim]
+                and fwd.enough_work(programs, device, CAUSAL_MIN_PROGRAMS_PER_SM[head_dim]))
     return fwd.tile_dim(head_dim) == head_dim and n_q >= MIN_QUERIES
 
 
@@ -239,7 +269,8 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
     heads = q.shape[1]
     width = fwd.tile_dim(d)
     programs = triton.cdiv(n_q, 64) * q.shape[0] * heads  # BLOCK_M is 64 in every tile choice
-    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(programs, q.device, 1))
+    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(programs, q.device, 1),
+                                     two_stages(d, programs, causal))
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     wrap(flash_dq_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
