@@ -390,7 +390,7 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     assert causal_seen[-1] is False and causal_seen[:-1] and all(causal_seen[:-1])
 
 
-def test_dq_kernel_shares_the_backward_switch_and_defaults_to_d80_d96_d256(hopper_machine, monkeypatch):
+def test_dq_kernel_shares_the_backward_switch_and_its_default_head_dims(hopper_machine, monkeypatch):
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     assert dq_hopper.ENV == dkdv_hopper.ENV
     assert dq_hopper.wanted(256, torch.bfloat16, CUDA) and dq_hopper.wanted(256, torch.float16, CUDA)

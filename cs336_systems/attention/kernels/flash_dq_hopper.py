@@ -77,12 +77,15 @@ NONCAUSAL_HEAD_DIMS = (128,)
 NONCAUSAL_MIN_QUERIES = 1024
 # Causal at d 64 and 128, against the portable dQ (H100, bf16, kernel alone, CUDA-graph time, B·H 1-64 x N
 # 1024-16384): d 128, with the stages `two_stages` picks, as fast or faster from N 2048 to 8192 wherever the
-# grid has a program per SM (-1.5 to -19%, e.g. 0.228 vs 0.282 ms at B·H 64, N 2048, 0.783 vs 0.955 at N 4096,
+# grid has a program per SM (-1 to -19%, e.g. 0.228 vs 0.282 ms at B·H 64, N 2048, 0.783 vs 0.955 at N 4096,
 # 0.388 vs 0.468 at 32 query heads on 8 K/V heads, N 4096; a tie at B·H 16, N 8192), slower at N 16384 from
 # B·H 16 (+1-3%); d 64 faster at N 2048 (-6 to -34%) and at N 4096 with many programs (-7% at
 # B·H 64, -1% at 16), slower at N 4096 with few (+15% at B·H 1) and at N 8192 (+4 to +17%).  Not below
 # CAUSAL_MIN_QUERIES, where the other Gluon kernels do not take these head dims either, so that compiled
-# calls there keep inductor's launches (the models' N 512 calls are host-bound).
+# calls there keep inductor's launches (the models' N 512 calls are host-bound).  At d 64 the two programs
+# per SM are the Gluon dK/dV's own minimum (`flash_dkdv_hopper.MIN_PROGRAMS_PER_SM`), kept at N 2048 too
+# although B·H 1-4 won there: below it the forward and dK/dV are portable, and a compiled call would leave
+# inductor's launches for this kernel alone.
 CAUSAL_HEAD_DIMS = (64, 128)
 CAUSAL_MIN_QUERIES = 2048
 CAUSAL_MAX_QUERIES = {64: 4096, 128: 8192}
