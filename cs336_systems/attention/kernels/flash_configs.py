@@ -455,6 +455,21 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
     "d128-half-causal-n65536-bh1": {"fwd": "64x64w4s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
+    # Without the causal mask (bf16), tuned with `python -m cs336_systems.flash_autotune --no-causal` on an H100
+    # (torch 2.11, triton 3.6; do_bench, each kernel alone), where `default_config` had served every such call.
+    # Against the default's tiles: d 64 forward -6 to -38%, dQ -9 to -46%, dK/dV -16 to -28%; d 128 dK/dV -28 to
+    # -48% (the defaults' forward and dQ tiles at d 128 are not among the candidates).  On Hopper the Gluon
+    # kernels take most calls at d 128 (and dK/dV at d 64 from 2048 queries); these tiles serve the rest.
+    "d64-half-full-n1024-bh16": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "128x128w8s2"},
+    "d64-half-full-n2048-bh64": {"fwd": "128x64w8s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
+    "d64-half-full-n4096-bh16": {"fwd": "128x64w8s3", "dkdv": "32x128w4s3", "dq": "64x128w4s3b"},
+    "d64-half-full-n16384-bh1": {"fwd": "64x128w4s3t", "dkdv": "64x128w8s3", "dq": "64x128w4s3b"},
+    "d64-half-full-n16384-bh16": {"fwd": "128x64w8s3", "dkdv": "32x128w4s4", "dq": "128x64w8s3t"},
+    "d128-half-full-n1024-bh16": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
+    "d128-half-full-n2048-bh64": {"fwd": "128x64w8s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3t"},
+    "d128-half-full-n4096-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
+    "d128-half-full-n16384-bh1": {"fwd": "128x64w8s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
+    "d128-half-full-n16384-bh16": {"fwd": "128x64w8s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3t"},
     # 256-wide tiles (d = 160 ... 256), tuned among WIDE_SEARCH_SPACE on an H100 (torch 2.11, triton 3.6).  At
     # B*H 8, N 8192: forward 0.650 ms (default 64x64w8s2: 1.155), dQ 1.027 (64x64w8s2: 1.575), dK/dV 2.432
     # (the default's own tile; every wider dK/dV tile spills its two (BLOCK_N, 256) float32 accumulators:
