@@ -68,11 +68,13 @@ SLICED_MIN_QUERIES = 512
 # ... up to the longest rows measured with slices; before them the whole-tile kernel lost at B·H 1, N 65536
 # (+17%), so longer rows keep the portable dQ.
 SLICED_MAX_QUERIES = 16384
-# Not causal, d 128: the portable dQ's tiles there (64 x 64, 8 warps, 2 stages; the tuned table's entries are all
-# causal) took 2.1-2.4x this kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768,
-# B·H 1-128: 6.51 vs 2.98 ms at B 1, H 8, N 16384).  At d 64 the portable dQ was 1-3% slower (11% at B·H 1,
-# N 16384), and compiled calls there keep inductor's launches only while no Gluon kernel is chosen, so d 64
-# stays portable.
+# Not causal, d 128: the portable dQ's default tiles there (64 x 64, 8 warps, 2 stages) took 2.1-2.4x this
+# kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768, B·H 1-128: 6.51 vs 2.98 ms at
+# B 1, H 8, N 16384).  Against the tuned entries without the mask added since (`flash_configs.TUNED_SM90`,
+# `full`) it is within 11% either way (same timing: -9% at B·H 8, N 1024, -2 to -3% at B·H 64, ties at
+# N 4096-32768, +11% at B·H 8, N 2048 and at B·H 1, N 16384), so the rule stays.  At d 64 the tuned portable
+# dQ is faster (0.088 vs 0.111 ms at B·H 8, N 4096; 1.42 vs 1.49 at N 16384), and compiled calls there keep
+# inductor's launches only while no Gluon kernel is chosen, so d 64 stays portable.
 NONCAUSAL_HEAD_DIMS = (128,)
 NONCAUSAL_MIN_QUERIES = 1024
 # Causal at d 64 and 128, against the portable dQ (H100, bf16, kernel alone, CUDA-graph time, B·H 1-64 x N
