@@ -254,7 +254,10 @@ def test_committed_table_parses_and_covers_the_sweep():
             assert cfg in flash_configs.search_space(kernel, key) or cfg in flash_configs.default_config(key).values()
     for d in (64, 128):
         if table:
-            assert flash_configs.nearest_tuned(ShapeKey(d, "half", True, 16384, 1), table) is not None
+            for causal in (True, False):  # entries of their own with and without the mask
+                key = ShapeKey(d, "half", causal, 16384, 1)
+                assert flash_configs.nearest_tuned(key, table) is not None, key
+                assert table.get(key) is not None, key
 
 
 @pytest.fixture

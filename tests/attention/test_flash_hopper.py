@@ -420,7 +420,7 @@ def test_dq_kernel_shares_the_backward_switch_and_its_default_head_dims(hopper_m
 
 
 def test_dq_kernel_takes_d128_without_the_causal_mask(hopper_machine, monkeypatch):
-    """Not causal at d 128 (where the portable dQ's tiles are not tuned) the Gluon dQ is the default from
+    """Not causal at d 128 (NONCAUSAL_HEAD_DIMS) the Gluon dQ is the default from
     NONCAUSAL_MIN_QUERIES queries, and not at d 64; ENV "0" still wins."""
     assert dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=False)
     assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)

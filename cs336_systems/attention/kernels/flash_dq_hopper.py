@@ -25,8 +25,8 @@ the tile's zero columns.
 
 Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
 float32 accumulator) run at a third of the tensor cores' rate, d 80 and 96 from SLICED_MIN_QUERIES to
-SLICED_MAX_QUERIES, d 128 without the causal mask (NONCAUSAL_HEAD_DIMS), where the portable kernel's
-tiles are not tuned, and causal at d 64 and 128 (CAUSAL_HEAD_DIMS) from CAUSAL_MIN_QUERIES to
+SLICED_MAX_QUERIES, d 128 without the causal mask (NONCAUSAL_HEAD_DIMS; 0.41-0.48x the portable dQ's default
+tiles there, within 11% of its tuned ones), and causal at d 64 and 128 (CAUSAL_HEAD_DIMS) from CAUSAL_MIN_QUERIES to
 CAUSAL_MAX_QUERIES with enough programs; at longer causal rows the portable kernel's 128-row programs
 measured faster (docs/flash-attention.md, Section 14).  At d 128 the ring has two stages once the grid is
 large enough (`two_stages`): two programs an SM instead of one.
