@@ -56,6 +56,9 @@ def test_spawn_reports_a_rank_that_exits_without_a_result_at_once():
 
 
 def test_spawn_kills_a_hung_job():
+    # A job first, so that the forkserver (started once per process, importing torch) is up: a 5 s startup_s
+    # then bounds forking the ranks only; the server's own start took longer than that under a loaded xdist run.
+    launch.spawn(_sum_ranks, 2)
     start = time.monotonic()
     with pytest.raises(launch.SpawnError, match="timed out"):
         launch.spawn(_one_rank_hangs, 2, timeout_s=1, startup_s=5)
