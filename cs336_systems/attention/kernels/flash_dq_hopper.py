@@ -116,6 +116,12 @@ def tiles(head_dim: int, long_rows: bool = False, two_stages: bool = False) -> t
     return TILES_LONG_256 if long_rows else (64, 32, 3)
 
 
+def programs(z: int, heads: int, n_q: int) -> int:
+    """The grid's 64-row programs (BLOCK_M is 64 in every tile choice): what the size rules and the tile
+    choice count."""
+    return triton.cdiv(n_q, 64) * z * heads
+
+
 def two_stages(head_dim: int, programs: int, causal: bool) -> bool:
     """Two ring stages (two programs an SM) at d 128 with at least TWO_STAGE_PROGRAMS 64-row programs."""
     return head_dim == 128 and programs >= TWO_STAGE_PROGRAMS[causal]
@@ -249,9 +255,8 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     if not causal and head_dim in NONCAUSAL_HEAD_DIMS:
         return n_q >= NONCAUSAL_MIN_QUERIES
     if causal and head_dim in CAUSAL_HEAD_DIMS:
-        programs = triton.cdiv(n_q, 64) * z * heads
         return (CAUSAL_MIN_QUERIES <= n_q <= CAUSAL_MAX_QUERIES[head_dim]
-                and fwd.enough_work(programs, device, CAUSAL_MIN_PROGRAMS_PER_SM[head_dim]))
+                and fwd.enough_work(programs(z, heads, n_q), device, CAUSAL_MIN_PROGRAMS_PER_SM[head_dim]))
     return fwd.tile_dim(head_dim) == head_dim and n_q >= MIN_QUERIES
 
 
@@ -273,9 +278,9 @@ def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
     width = fwd.tile_dim(d)
-    programs = triton.cdiv(n_q, 64) * q.shape[0] * heads  # BLOCK_M is 64 in every tile choice
-    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(programs, q.device, 1),
-                                     two_stages(d, programs, causal))
+    count = programs(q.shape[0], heads, n_q)
+    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(count, q.device, 1),
+                                     two_stages(d, count, causal))
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     wrap(flash_dq_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
