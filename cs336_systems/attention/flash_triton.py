@@ -89,12 +89,13 @@ from cs336_systems.attention.kernels.flash_replay import (
 )
 
 try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
+    from cs336_systems.attention.kernels import flash_bwd_hopper as bwd_hopper
     from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
     from cs336_systems.attention.kernels import flash_dq_hopper as dq_hopper
     from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
     from cs336_systems.attention.kernels import flash_fwd_hopper_ws as hopper_ws
 except ImportError:  # pragma: no cover - depends on the installed Triton
-    hopper = hopper_ws = dq_hopper = dkdv_hopper = None
+    hopper = hopper_ws = dq_hopper = dkdv_hopper = bwd_hopper = None
 
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,11 +121,15 @@ REPLAY_ENV = "CS336_FLASH_REPLAY"
 # are not seen by its replays; Triton's launch hooks are (`flash_replay.hooks_idle`).
 _SWITCHES = (REPLAY_ENV, launch.TMA_ENV, launch.SPLITS_ENV, launch.GROUP_SPLITS_ENV, flash_configs.SPLIT_D_ENV,
              flash_configs.FP32_DOT_ENV, flash_autotune.AUTOTUNE_ENV, flash_autotune.CACHE_ENV,
-             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD", "TRITON_INTERPRET", "TRITON_DEBUG")
+             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD", "CS336_FLASH_FUSED_BWD", "TRITON_INTERPRET",
+             "TRITON_DEBUG")
 MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
 # Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a workspace,
 # or a descriptor over a view at another address).  Only validated, non-empty signatures are ever entered.
 _recorded: dict[tuple, Recorder | None] = {}
+# Backward signatures recorded on the fused kernel (flash_bwd_hopper), whose replays take an 11th slot: the
+# float32 dQ accumulator, allocated per call like the outputs.
+_fused_keys: set[tuple] = set()
 _UNSEEN = object()
 _ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if hasattr(os.environ, "encodekey") else ()
 
@@ -188,6 +193,7 @@ def _remember(key: tuple, recorder: Recorder | None) -> None:
     """Keep ``recorder`` for ``key`` if it recorded a replayable call, else None (the ordinary path)."""
     if len(_recorded) >= MAX_RECORDED:
         _recorded.clear()
+        _fused_keys.clear()
     if recorder is not None:
         recorder.slots = ()  # the recording's tensors are not kept alive
         if not (recorder.ok and recorder.launches):
@@ -228,15 +234,27 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
+    if key is not None and key in _fused_keys:  # a recorded fused backward: its dQ accumulator is a slot too
+        slots += (torch.empty(q.shape, device=q.device, dtype=torch.float32),)
     replayed = _replayed(key, slots)
     if replayed:
         return dq, dk, dv
     record = replayed is None
+    gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
+    if gluon and bwd_hopper.usable(q, k, v, o, do, is_causal):
+        # one fused pass (flash_bwd_hopper): dQ accumulated in float32 through TMA reductions
+        dqa = slots[-1] if len(slots) == 11 else torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        slots = slots[:10] + (dqa,)
+        recorder = Recorder(slots) if record else None
+        bwd_hopper.backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, is_causal, recorder or wrap)
+        if record:
+            _remember(key, recorder)
+            _fused_keys.add(key)  # after `_remember`, which may start the tables over
+        return dq, dk, dv
     cfg = _select(q, k, is_causal)
     recorder = Recorder(slots) if record else None
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
-    gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
     if gluon and dq_hopper.usable(q, k, v, o, do, is_causal):
         # Gluon, sm_90 (flash_dq_hopper); also delta
         dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, recorder or wrap)
@@ -342,7 +360,8 @@ def _gluon_chosen(z: int, heads: int, kv_heads: int, n_queries: int, n_keys: int
     if hopper is None:
         return False
     sizes = (z, heads, kv_heads, n_queries, n_keys, d, dtype, device)
-    return hopper.fits(*sizes) or dq_hopper.fits(*sizes, is_causal) or dkdv_hopper.fits(*sizes)
+    return (hopper.fits(*sizes) or dq_hopper.fits(*sizes, is_causal) or dkdv_hopper.fits(*sizes)
+            or bwd_hopper.fits(*sizes, is_causal))
 
 
 def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:

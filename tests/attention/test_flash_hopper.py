@@ -20,6 +20,7 @@ hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper")
 dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_hopper")
 dq_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dq_hopper")
 ws_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper_ws")
+fused_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_bwd_hopper")
 
 CUDA = torch.device("cuda")
 
@@ -37,6 +38,7 @@ def hopper_machine(monkeypatch):
     monkeypatch.setattr(hopper.triton, "__version__", "3.6.0")
     monkeypatch.delenv(hopper.ENV, raising=False)
     monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
+    monkeypatch.delenv(fused_hopper.ENV, raising=False)
 
 
 def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
@@ -103,6 +105,33 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
     assert not dkdv_hopper.usable(*qkv(32, 8, 16384))  # grouped heads: not measured, portable
     monkeypatch.setenv(dkdv_hopper.ENV, "1")
     assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
+
+
+def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monkeypatch):
+    """The fused backward: head dim 64 only, bfloat16 / float16 on sm_90; by default causal, from MIN_QUERIES
+    queries and with MIN_PROGRAMS_PER_SM programs of 128 keys (of one K/V head) per SM; the environment forces
+    it on at any size or off, and switching the Gluon backward kernels off switches it off too."""
+    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    n = fused_hopper.MIN_QUERIES
+    per_sm = 132 * fused_hopper.MIN_PROGRAMS_PER_SM * fused_hopper.BLOCK_N
+
+    def fits(z, hq, hkv, n, d=64, dtype=torch.bfloat16, causal=True):
+        return fused_hopper.fits(z, hq, hkv, n, n, d, dtype, CUDA, causal)
+
+    assert fits(1, 16, 16, 16384) and fits(4, 16, 16, n) and fits(1, 16, 16, n, dtype=torch.float16)
+    assert not fits(4, 16, 16, n // 2)  # shorter rows: the two-kernel backward
+    assert fits(1, 32, 8, 16384) and not fits(1, 32, 1, 8192)  # grouped heads: programs per K/V head
+    assert not fits(1, 16, 16, 16384, causal=False)  # without the mask: ties
+    assert not fits(1, 16, 16, 16384, d=128) and not fits(1, 16, 16, 16384, dtype=torch.float32)
+    assert fits(1, 1, 1, max(n, per_sm)) and not fits(1, 1, 1, max(n, per_sm) - fused_hopper.BLOCK_N)
+    monkeypatch.setenv(fused_hopper.ENV, "1")
+    assert fits(4, 25, 25, 512) and fits(1, 32, 1, 100) and fits(1, 2, 2, 64, causal=False)
+    assert not fits(1, 8, 8, 4096, d=128)
+    monkeypatch.setenv(fused_hopper.ENV, "0")
+    assert not fits(1, 16, 16, 16384)
+    monkeypatch.delenv(fused_hopper.ENV)
+    monkeypatch.setenv(dkdv_hopper.ENV, "0")
+    assert not fits(1, 16, 16, 16384)
 
 
 def test_dkdv_at_padded_head_dims_starts_at_the_models_context(monkeypatch):
@@ -388,6 +417,18 @@ def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(mon
     assert calls[4:] == ["portable dq", "hopper dkdv", "hopper dq", "portable dkdv"]
     flash_triton._backward(q, q, q, q, lse, q, False)  # the dQ rule depends on the mask: it is passed on
     assert causal_seen[-1] is False and causal_seen[:-1] and all(causal_seen[:-1])
+    # the fused backward, where usable, replaces both kernels (eager launches only), with a float32 dQ
+    # accumulator shaped like q
+    accumulators = []
+    monkeypatch.setattr(fused_hopper, "usable", lambda q, k, v, o, do, causal: causal)
+    monkeypatch.setattr(fused_hopper, "backward",
+                        lambda *args: calls.append("fused") or accumulators.append(args[7]))
+    del calls[:]
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
+    flash_triton._backward(q, q, q, q, lse, q, False)  # the rule depends on the mask: it is passed on
+    assert calls == ["fused", "portable dq", "portable dkdv", "hopper dq", "portable dkdv"]
+    assert accumulators[0].dtype == torch.float32 and accumulators[0].shape == q.shape
 
 
 def test_dq_kernel_shares_the_backward_switch_and_its_default_head_dims(hopper_machine, monkeypatch):
@@ -474,7 +515,7 @@ def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monk
     custom ops (which run it), whatever the portable configuration wants; otherwise the rule is unchanged."""
     monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
     monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)  # the portable tiles: pointers
-    chosen = {"fwd": False, "dq": False, "dkdv": False}
+    chosen = {"fwd": False, "dq": False, "dkdv": False, "fused": False}
     dq_causal = []
 
     def dq_fits(*sizes):
@@ -484,6 +525,7 @@ def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monk
     monkeypatch.setattr(hopper, "fits", lambda *sizes: chosen["fwd"])
     monkeypatch.setattr(dq_hopper, "fits", dq_fits)
     monkeypatch.setattr(dkdv_hopper, "fits", lambda *sizes: chosen["dkdv"])
+    monkeypatch.setattr(fused_hopper, "fits", lambda *sizes: chosen["fused"])
     q = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
     assert flash_triton._inductor_path(q, q, q, True)
     for which in chosen:
@@ -491,7 +533,7 @@ def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monk
         assert not flash_triton._inductor_path(q, q, q, True), which
     broadcast = torch.empty(1, 1, 4096, 128, dtype=torch.bfloat16).expand(1, 8, 4096, 128)
     assert flash_triton._inductor_path(q, broadcast, broadcast, True)  # no Gluon kernel takes these
-    chosen.update(fwd=False, dq=False, dkdv=False)
+    chosen.update(fwd=False, dq=False, dkdv=False, fused=False)
     flash_triton._inductor_path(q, q, q, False)
     assert dq_causal[-1] is False and set(dq_causal[:-1]) == {True}  # the mask reaches the dQ rule
 
@@ -511,10 +553,13 @@ def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
                                    ("dq", dq_hopper.usable(q, k, k, q, q), dq_hopper.fits(*sizes)),
                                    ("dq not causal", dq_hopper.usable(q, k, k, q, q, False),
                                     dq_hopper.fits(*sizes, False)),
-                                   ("dkdv", dkdv_hopper.usable(q, k, k, q), dkdv_hopper.fits(*sizes))]:
+                                   ("dkdv", dkdv_hopper.usable(q, k, k, q), dkdv_hopper.fits(*sizes)),
+                                   ("fused", fused_hopper.usable(q, k, k, q, q), fused_hopper.fits(*sizes)),
+                                   ("fused not causal", fused_hopper.usable(q, k, k, q, q, False),
+                                    fused_hopper.fits(*sizes, False))]:
             assert usable == fits, (name, z, h, hkv, n, d)
             seen.add((name, fits))
-    assert len(seen) == 8  # each kernel both taken and not taken among these sizes
+    assert len(seen) == 11  # each kernel both taken and not taken among these sizes (never without the mask)
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
@@ -570,6 +615,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hopper.ENV, "1")
         patch.setenv(dkdv_hopper.ENV, "1")
+        patch.setenv(fused_hopper.ENV, "0")  # the two-kernel backward (the fused one has a test of its own)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
         if split_dv:  # the two-launch plan; odd seeds with the dK part's long-row tiles
             patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
@@ -591,20 +637,24 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     (8, 4096, 128, False, ["fwd", "dq", "dkdv"]),  # without the mask the Gluon dQ too (NONCAUSAL_HEAD_DIMS)
     (16, 4096, 128, True, ["fwd", "dq", "dkdv"]),  # causal d 128 in CAUSAL_MAX_QUERIES: dQ with two stages
     (16, 2048, 64, True, ["dq", "dkdv"]),  # causal d 64 from CAUSAL_MIN_QUERIES (the forward stays portable)
+    (16, 4096, 64, True, ["fused"]),  # d 64 from the fused backward's MIN_QUERIES
 ])
 def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, is_causal, expected):
     """torch.compile(fullgraph=True) at sizes the Gluon kernels take: the traced call keeps the custom ops,
     which run the same Gluon kernels as the eager call, with the same results."""
     q, k, v = random_qkv((1, heads), n, n, d, torch.bfloat16, "cuda", 7)
     ran = []
-    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
+    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv,
+            "fused": fused_hopper.backward}
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(hopper.ENV, raising=False)  # the default rules
         patch.delenv(dkdv_hopper.ENV, raising=False)
+        patch.delenv(fused_hopper.ENV, raising=False)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
         patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
         patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
         patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
+        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real["fused"](*args))
         outputs = []
         for fn in (FlashAttentionTriton.apply, torch.compile(FlashAttentionTriton.apply, fullgraph=True)):
             ran.clear()
@@ -764,6 +814,7 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
 
     monkeypatch.setenv(hopper.ENV, "1")
     monkeypatch.setenv(dkdv_hopper.ENV, "1")
+    monkeypatch.setenv(fused_hopper.ENV, "0")  # its replays: test_gpu_fused_backward_is_recorded_and_replayed
     q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i) for i in range(3))
     grad_out = torch.randn_like(q)
     table = {}
@@ -772,3 +823,75 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     names = sorted(launch.compiled.name for plan in table.values() for launch in plan.launches)
     forward = "flash_fwd_hopper_ws_kernel" if ws_hopper.takes(d) else "flash_fwd_hopper_kernel"
     assert names == sorted(["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", forward])
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@settings(max_examples=30, deadline=None)
+@given(
+    heads=st.sampled_from([(3, 3), (8, 2), (4, 1)]),
+    nq=st.sampled_from([1, 17, 128, 255, 1000, 2048]),
+    nk=st.sampled_from([1, 63, 128, 257, 1025, 2048]),
+    is_causal=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    token_major=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(heads=(3, 3), nq=17, nk=2048, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
+@example(heads=(8, 2), nq=1000, nk=1025, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
+@example(heads=(4, 1), nq=2048, nk=2048, is_causal=True, dtype=torch.float16, token_major=True, seed=4)
+def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, is_causal, dtype, token_major, seed):
+    """dQ, dK, dV of the fused backward (flash_bwd_hopper, forced on) against float64: ragged ends, Nq != Nk,
+    one query or one key, key blocks that see no query, grouped K/V heads, token-major views."""
+    d = fused_hopper.HEAD_DIM
+    hq, hkv = heads
+    if token_major:
+        q = token_major_view(2, hq, nq, d, dtype, seed)
+        k, v = token_major_view(2, hkv, nk, d, dtype, seed + 1), token_major_view(2, hkv, nk, d, dtype, seed + 2)
+    else:
+        q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
+        _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    ran = []
+    real = fused_hopper.backward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused_hopper.ENV, "1")
+        patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launcher counted below
+        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
+        assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
+    assert ran == ["fused"], ran
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("z, heads, n, is_causal", [(2, (4, 4), 1000, True), (1, (8, 2), 700, False)])
+def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, is_causal):
+    """The fused backward's three launches are recorded like the others, its float32 dQ accumulator taken as
+    an extra slot: the next calls of the signature replay them.  dK and dV equal the ordinary call's bit for
+    bit; dQ is summed by TMA reductions whose order varies from run to run, so it is compared within
+    float32 rounding of the accumulator (one unit in the last place of the output dtype)."""
+    monkeypatch.setenv(fused_hopper.ENV, "1")
+    d = fused_hopper.HEAD_DIM
+    q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i).requires_grad_() for i in range(3))
+    grad_out = torch.randn_like(q)
+
+    def call():
+        for t in (q, k, v):
+            t.grad = None
+        FlashAttentionTriton.apply(q, k, v, is_causal).backward(grad_out)
+        return [t.grad.clone() for t in (q, k, v)]
+
+    monkeypatch.setenv(flash_triton.REPLAY_ENV, "0")
+    expected = call()
+    monkeypatch.delenv(flash_triton.REPLAY_ENV)
+    table = {}
+    monkeypatch.setattr(flash_triton, "_recorded", table)
+    ran, real = [], fused_hopper.backward
+    monkeypatch.setattr(fused_hopper, "backward", lambda *args: ran.append(1) or real(*args))
+    for _ in range(3):
+        dq, dk, dv = call()
+        assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
+        torch.testing.assert_close(dq, expected[0], rtol=2 ** -7, atol=1e-3)
+    plans = [plan for plan in table.values() if plan is not None and any(
+        launch.compiled.name == "flash_bwd_hopper_kernel" for launch in plan.launches)]
+    assert len(plans) == 1 and len(plans[0].launches) == 3
+    assert len(ran) == 1  # recorded at the first call, replayed at the next two

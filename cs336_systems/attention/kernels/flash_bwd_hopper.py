@@ -1,0 +1,386 @@
+"""Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dim 64: dQ, dK and dV from one pass over
+the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
+
+    backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal)
+    q, o, do, dq: (Z, H, Nq, 64)   k, v, dk, dv: (Z, H_kv, Nk, 64)   lse, delta: (Z, H, Nq) float32
+    dqa: (Z, H, Nq, 64) float32 contiguous (dQ's accumulator, zeroed here)
+
+Three launches: `_prep_kernel` (delta = rowsum(O * dO), dqa = 0), `flash_bwd_hopper_kernel`, `_post_kernel`
+(dQ = dqa / sqrt(d) in dq's dtype and strides).  The main kernel is FlashAttention-3's tile at d 64: one
+program owns 128 keys of one (z, h_kv) and walks the query rows of every query head of its group in steps
+of 128.  Four partitions (`gl.warp_specialize`):
+
+    producer (1 warp):   K and V once; per step Q and dO (TMA) and the step's L·log2(e) and delta rows
+                         (plain loads into shared memory) into a NUM_STAGES ring
+    consumer w (4 warps, w = 0, 1), keys 64w .. 64w + 64, per step t:
+        S^T = K_w Q_t^T, dP^T = V_w dO_t^T               (64 x 128 each, asynchronous)
+        P^T = exp2(S^T · log2(e)/sqrt(d) - L_t · log2(e)), masked, rounded to the input dtype
+        dS^T = P^T (dP^T - delta_t)
+        dV_w += P^T dO_t, dK_w += dS^T Q_t                (P^T and dS^T as register operands)
+        dS^T rows into the step's shared (128 keys, 128 queries) tile; once both consumers' rows are in:
+        dQ_t rows 64w .. 64w + 64 = dS_t K  (the tile's transposed column slice, all 128 keys)
+        dQ rows (float32) to the consumer's staging tile
+    writer (1 warp):     each staging tile reduce-added into dqa by TMA (`cp.reduce.async.bulk.tensor`)
+
+Every product's A operand is a register tile or a 64-row shared slice, so a consumer holds S^T and dP^T
+(64 registers a thread each), dK and dV (32 each) and dQ (32) at 240 registers (`REGS`).  P^T is rounded
+before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
+kernel took 4.54 against 3.45 ms at the leaderboard (docs/flash-attention.md, Section 8).  The dS tile is
+double-buffered; its stages and the ring's are released by mbarriers that both consumers arrive at.  The
+two consumers meet once a step (the shared dS tile), against the one-warpgroup two-kernel path's
+recomputation of S and dP in a dQ kernel.
+
+Causal: a program's first step is the diagonal block (128 keys start at a multiple of 128), the only one
+masked besides ragged last steps.  Keys past Nk are zero-filled by TMA (their dK / dV rows are clipped by
+the stores; their dS columns multiply zero K rows in dQ).  Grouped-query attention: the step loop runs over
+the group's heads in turn, so dK and dV sum over the group without atomics.
+
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `supported_here`, descriptors and layouts
+it shares).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_launch import direct, env_switch
+
+HEAD_DIM = 64
+# "0": never; "1": any d 64 problem the inputs allow (grouped heads and short rows included); unset: the
+# measured territory (`fits`).
+ENV = "CS336_FLASH_FUSED_BWD"
+BWD_ENV = "CS336_FLASH_HOPPER_BWD"  # flash_dkdv_hopper.ENV: "0" switches every Gluon backward kernel off
+BLOCK_N = 128  # keys per program: two consumers of 64
+BLOCK_M = 128  # query rows per step
+NUM_STAGES = 2  # Q / dO ring (32 KB a stage); 2 dS stages (32 KB each), 2 dQ staging tiles (16 KB each)
+DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
+# the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
+# to 240 for each consumer warpgroup and 32 for the workers' (240 + 240 + 32 <= 3 x 168)
+MAXNREG = 168
+REGS = (240, 32)
+# Where it measured faster than the two-kernel backward (H100, bf16, CUDA-graph time; docs/flash-attention.md,
+# Section 8): causal, from MIN_QUERIES queries, with at least MIN_PROGRAMS_PER_SM programs of 128 keys per SM
+# (grouped heads included: 0.85-0.92x at Hq 16-32 on 4-8 K/V heads).  0.80-0.98x there; 1.31-1.35x at
+# B·H 1, N 4096-16384 (32-128 long programs), 1.14x at N 512, and ties without the mask (0.96-1.05x).
+MIN_QUERIES = 4096
+MIN_PROGRAMS_PER_SM = 1
+# the kernels' copies
+_BLOCK_N, _BLOCK_M, _HEAD_DIM = gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_M), gl.constexpr(HEAD_DIM)
+_NUM_STAGES, _DS_STAGES = gl.constexpr(NUM_STAGES), gl.constexpr(DS_STAGES)
+
+
+@builtin
+def _reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared tile ``src`` into the descriptor's box at ``coord`` (Triton 3.6's Gluon
+    exposes the instruction only through its builder)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _steps(start_n, n_q, group, CAUSAL: gl.constexpr):
+    """(first query tile, query tiles per head, steps): causal programs skip the tiles before their keys."""
+    if CAUSAL:
+        lo_tile = start_n // _BLOCK_M
+    else:
+        lo_tile = 0
+    m_tiles = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
+    n_iter = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 0) * group
+    return lo_tile, m_tiles, n_iter
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
+              empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K and V once; per step Q, dO (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage
+    both consumers released.  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
+    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    start_n = gl.program_id(0) * _BLOCK_N
+    zh = gl.program_id(1)
+    z = zh // kv_heads
+    kv_head = zh % kv_heads
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL)
+    for t in range(n_iter):
+        stage = t % NUM_STAGES
+        if t >= NUM_STAGES:
+            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
+        h = kv_head * group + t // m_tiles
+        m0 = (lo_tile + t % m_tiles) * _BLOCK_M
+        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage))
+        rows = m0 + gl.arange(0, _BLOCK_M, layout=vec_layout)
+        base = (z * heads + h) * n_q
+        lse = gl.load(L + base + rows, mask=rows < n_q, other=0.0)
+        lse_buf.index(stage).store(lse * 1.4426950408889634)
+        delta = gl.load(Delta + base + rows, mask=rows < n_q, other=0.0)
+        delta_buf.index(stage).store(delta)
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(stage), count=1)
+
+
+@gluon.jit
+def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: gl.constexpr):
+    """Per step, each consumer's finished dQ rows reduce-added into dqa; the staging tile is released once
+    the copy has read it."""
+    start_n = gl.program_id(0) * _BLOCK_N
+    zh = gl.program_id(1)
+    z = zh // kv_heads
+    kv_head = zh % kv_heads
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL)
+    for t in range(n_iter):
+        h = kv_head * group + t // m_tiles
+        m0 = (lo_tile + t % m_tiles) * _BLOCK_M
+        for w in gl.static_range(2):
+            mbarrier.wait(dq_full.index(w), t & 1)
+            _reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))  # rows past Nq are clipped
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(w), count=1)
+
+
+@gluon.jit
+def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
+              ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads, group,
+              W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr):
+    """Keys start_n + 64 W .. + 64: dK and dV, and dQ rows 64 W .. 64 W + 64 of every step (module docstring)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    start_blk = gl.program_id(0) * _BLOCK_N
+    start_n = start_blk + W * 64
+    zh = gl.program_id(1)
+    z = zh // kv_heads
+    kv_head = zh % kv_heads
+    s_layout: gl.constexpr = fwd.mma_layout(4, _BLOCK_M)
+    acc_layout: gl.constexpr = fwd.mma_layout(4, _HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_all = k_buf.reshape([_BLOCK_N, _HEAD_DIM])
+    k_smem = k_all.slice(W * 64, 64, 0)
+    v_smem = v_buf.reshape([_BLOCK_N, _HEAD_DIM]).slice(W * 64, 64, 0)
+    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, group, CAUSAL)
+    full_end = n_q // _BLOCK_M - lo_tile  # relative tiles with no rows past Nq
+    dk = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
+    dq_zero = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([64, _BLOCK_M], gl.float32, layout=s_layout)
+    keys = start_n + gl.arange(0, 64, layout=key_layout)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iter):
+        stage = t % NUM_STAGES
+        db = t % DS_STAGES
+        rel = t % m_tiles
+        m0 = (lo_tile + rel) * _BLOCK_M
+        mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+        q_s = q_buf.index(stage).reshape([_BLOCK_M, _HEAD_DIM])
+        do_s = do_buf.index(stage).reshape([_BLOCK_M, _HEAD_DIM])
+        s_tok = fwd.dot_nt(k_smem, q_s, s_zero, 0)
+        dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, 0)
+        lse = lse_buf.index(stage).load(col_layout)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_s))[0]
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        need_mask = rel >= full_end
+        if CAUSAL:
+            need_mask = need_mask | (rel == 0)  # the diagonal block
+        if need_mask:
+            cols = m0 + gl.arange(0, _BLOCK_M, layout=col_layout)
+            visible = gl.expand_dims(cols < n_q, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
+            p_t = gl.where(visible, p_t, 0.0)
+        p_lo = p_t.to(dtype)  # rounded once: dV's operand and dS^T's factor (module docstring)
+        delta = delta_buf.index(stage).load(col_layout)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, do_s))[0]
+        ds_t = (p_lo.to(gl.float32) * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(p_lo, op_layout), do_s, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, op_layout), q_s, dk, is_async=True)
+        # this consumer's dS^T rows into the step's tile, once both dQ products of its previous use are done
+        if t >= DS_STAGES:
+            mbarrier.wait(ds_empty.index(db), ((t // DS_STAGES) - 1) & 1)
+        ds_buf.index(db).slice(W * 64, 64, 0).store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_full.index(db), count=1)
+        mbarrier.wait(ds_full.index(db), (t // DS_STAGES) & 1)
+        a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))  # dS rows 64 W .. + 64, all 128 keys
+        dq = warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
+        dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+        mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
+        mbarrier.arrive(ds_empty.index(db), count=1)
+        if t > 0:
+            mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
+        dq_stage.index(W).reshape([64, _HEAD_DIM]).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(W), count=1)
+    # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
+    mbarrier.arrive(done, count=1)
+    v_smem.store(dv.to(dtype))
+    mbarrier.wait(done, 0)
+    k_smem.store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf.slice(W * 64, 64, 2))
+    tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf.slice(W * 64, 64, 2))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
+                            qk_scale, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
+    producer warp and the writer warp as workers.  Shared memory: K, V 32 KB; the ring 2 x 32 KB; the dS
+    tiles 2 x 32 KB; the dQ staging tiles 2 x 16 KB (195 KB with the ring's L / delta rows)."""
+    dtype: gl.constexpr = k_desc.dtype
+    k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, _HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, _HEAD_DIM], k_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    q_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, _BLOCK_M, _HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, _BLOCK_M, _HEAD_DIM], do_desc.layout)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], vec_smem)
+    delta_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], vec_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_NUM_STAGES):
+        mbarrier.init(ready.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
+    ds_buf = gl.allocate_shared_memory(dtype, [_DS_STAGES, _BLOCK_N, _BLOCK_M], ds_layout)
+    ds_full = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_DS_STAGES):
+        mbarrier.init(ds_full.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=2)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, 64, _HEAD_DIM], dq_desc.layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(done, count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
+                     group, 0, CAUSAL, _NUM_STAGES, _DS_STAGES)),
+        (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
+                     group, 1, CAUSAL, _NUM_STAGES, _DS_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
+                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, _NUM_STAGES)),
+        (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL)),
+    ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+
+
+@triton.jit
+def _prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, D: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their own strides); their rows of the
+    float32 dQ accumulator (contiguous) zeroed."""
+    zh = tl.program_id(1)
+    z = zh // heads
+    h = zh % heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    m = rows[:, None] < n_q
+    o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
+    do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
+    tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
+    tl.store(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32), mask=m)
+
+
+@triton.jit
+def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, BLOCK: tl.constexpr):
+    """dQ = dqa · scale in dQ's dtype and strides, BLOCK rows of one (z, h)."""
+    zh = tl.program_id(1)
+    z = zh // heads
+    h = zh % heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    m = rows[:, None] < n_q
+    x = tl.load(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], mask=m, other=0.0)
+    tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
+             mask=m)
+
+
+def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """`flash_fwd_hopper.switched_on` with this kernel's switch (ENV) and head dim; never where the Gluon
+    backward kernels are switched off (`flash_dkdv_hopper.ENV` "0")."""
+    if env_switch(BWD_ENV) == "0":
+        return False
+    return fwd.switched_on(ENV, (HEAD_DIM,), (HEAD_DIM,), head_dim, dtype, device)
+
+
+def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
+         device: torch.device, causal: bool = True) -> bool:
+    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
+    "1", the measured territory: the causal mask, at least MIN_QUERIES queries and MIN_PROGRAMS_PER_SM
+    programs (128 keys of one K/V head: a program walks its whole group of query heads) per SM."""
+    if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
+        return False
+    if env_switch(ENV) == "1":
+        return True
+    if not causal or n_q < MIN_QUERIES:
+        return False
+    return fwd.enough_work(triton.cdiv(n_k, BLOCK_N) * z * kv_heads, device, MIN_PROGRAMS_PER_SM)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+           causal: bool = True) -> bool:
+    """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses for the inputs the
+    descriptors read (q, k, v, do) and the outputs they write (dk, dv: like k, v)."""
+    if q.dim() != 4 or k.dim() != 4:
+        return False
+    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device,
+                 causal)
+            and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)) and o.stride(-1) == 1)
+
+
+def _accumulator_descriptor(dqa: torch.Tensor):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], gl.float32)
+    return TensorDescriptor.from_tensor(dqa, [1, 1, 64, HEAD_DIM], layout)
+
+
+def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
+    """dq (q's shape, unit stride on d), dk, dv (like k, v; `usable` strides) written in place, and delta;
+    lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, 64) contiguous float32 (overwritten).
+    ``wrap``: `flash_launch.direct`, or a `flash_replay.Recorder` recording the three launches."""
+    z, heads, n_q, d = q.shape
+    if d != HEAD_DIM:
+        raise ValueError(f"the fused Hopper backward takes head dim {HEAD_DIM}; got d={d}")
+    kv_heads = k.shape[1]
+    rows = (triton.cdiv(n_q, 64), z * heads)
+    wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
+                             do.stride(1), do.stride(2), D=d, BLOCK=64)
+    grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
+    wrap(flash_bwd_hopper_kernel)[grid](
+        fwd.descriptor(q, BLOCK_M), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
+        fwd.descriptor(do, BLOCK_M), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64), _accumulator_descriptor(dqa),
+        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, heads, kv_heads, heads // kv_heads,
+        CAUSAL=causal, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
+    )
+    wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
+                             D=d, BLOCK=64)
