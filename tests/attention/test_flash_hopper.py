@@ -108,9 +108,10 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
 
 
 def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monkeypatch):
-    """The fused backward: head dim 64 only, bfloat16 / float16 on sm_90; by default causal, from MIN_QUERIES
-    queries and with MIN_PROGRAMS_PER_SM programs of 128 keys (of one K/V head) per SM; the environment forces
-    it on at any size or off, and switching the Gluon backward kernels off switches it off too."""
+    """The fused backward: head dim 64 only, bfloat16 / float16 on sm_90; by default causal from MIN_QUERIES
+    queries with MIN_PROGRAMS_PER_SM programs of 128 keys (of one K/V head) per SM, and without the mask from
+    NONCAUSAL_MIN_QUERIES queries without grouped heads; the environment forces it on at any size or off, and
+    switching the Gluon backward kernels off switches it off too."""
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     n = fused_hopper.MIN_QUERIES
     per_sm = 132 * fused_hopper.MIN_PROGRAMS_PER_SM * fused_hopper.BLOCK_N
@@ -121,7 +122,9 @@ def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monke
     assert fits(1, 16, 16, 16384) and fits(4, 16, 16, n) and fits(1, 16, 16, n, dtype=torch.float16)
     assert not fits(4, 16, 16, n // 2)  # shorter rows: the two-kernel backward
     assert fits(1, 32, 8, 16384) and not fits(1, 32, 1, 8192)  # grouped heads: programs per K/V head
-    assert not fits(1, 16, 16, 16384, causal=False)  # without the mask: ties
+    m = fused_hopper.NONCAUSAL_MIN_QUERIES
+    assert fits(1, 8, 8, m, causal=False) and not fits(1, 8, 8, m - 1, causal=False)  # no program count
+    assert not fits(1, 32, 8, 16384, causal=False)  # grouped heads without the mask: not measured
     assert not fits(1, 16, 16, 16384, d=128) and not fits(1, 16, 16, 16384, dtype=torch.float32)
     assert fits(1, 1, 1, max(n, per_sm)) and not fits(1, 1, 1, max(n, per_sm) - fused_hopper.BLOCK_N)
     monkeypatch.setenv(fused_hopper.ENV, "1")
@@ -559,7 +562,7 @@ def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
                                     fused_hopper.fits(*sizes, False))]:
             assert usable == fits, (name, z, h, hkv, n, d)
             seen.add((name, fits))
-    assert len(seen) == 11  # each kernel both taken and not taken among these sizes (never without the mask)
+    assert len(seen) == 12  # each kernel both taken and not taken among these sizes
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ of 128.  Four partitions (`gl.warp_specialize`):
         P^T = exp2(S^T · log2(e)/sqrt(d) - L_t · log2(e)), masked, rounded to the input dtype
         dS^T = P^T (dP^T - delta_t)
         dV_w += P^T dO_t, dK_w += dS^T Q_t                (P^T and dS^T as register operands)
-        dS^T rows into the step's shared (128 keys, 128 queries) tile; once both consumers' rows are in:
-        dQ_t rows 64w .. 64w + 64 = dS_t K  (the tile's transposed column slice, all 128 keys)
-        dQ rows (float32) to the consumer's staging tile
+        dS^T rows into the step's shared (128 keys, 128 queries) tile (two stages)
+        dQ_{t-1} rows 64w .. 64w + 64 = dS_{t-1} K  (the previous step's tile, transposed column slice,
+                                                     all 128 keys: both consumers' rows are in by now)
+        dQ_{t-1} rows (float32) to the consumer's staging tile
     writer (1 warp):     each staging tile reduce-added into dqa by TMA (`cp.reduce.async.bulk.tensor`)
 
 Every product's A operand is a register tile or a 64-row shared slice, so a consumer holds S^T and dP^T
@@ -27,8 +28,12 @@ Every product's A operand is a register tile or a 64-row shared slice, so a cons
 before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
 kernel took 4.54 against 3.45 ms at the leaderboard (docs/flash-attention.md, Section 8).  The dS tile is
 double-buffered; its stages and the ring's are released by mbarriers that both consumers arrive at.  The
-two consumers meet once a step (the shared dS tile), against the one-warpgroup two-kernel path's
-recomputation of S and dP in a dQ kernel.
+consumers share the dS tiles but never wait for each other within a step: each takes the dQ of the step
+before, whose tile the other consumer filled a step earlier, so they drift apart (one's exponentials under
+the other's products) instead of meeting every step.
+
+dK and dV are deterministic.  dQ is not bit for bit: its float32 sums arrive by TMA reductions from the
+programs of every key block, in an order that varies from run to run (as FlashAttention-2/3's atomic dQ).
 
 Causal: a program's first step is the diagonal block (128 keys start at a multiple of 128), the only one
 masked besides ragged last steps.  Keys past Nk are zero-filled by TMA (their dK / dV rows are clipped by
@@ -75,11 +80,15 @@ DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
 MAXNREG = 168
 REGS = (240, 32)
 # Where it measured faster than the two-kernel backward (H100, bf16, CUDA-graph time; docs/flash-attention.md,
-# Section 8): causal, from MIN_QUERIES queries, with at least MIN_PROGRAMS_PER_SM programs of 128 keys per SM
-# (grouped heads included: 0.85-0.92x at Hq 16-32 on 4-8 K/V heads).  0.80-0.98x there; 1.31-1.35x at
-# B·H 1, N 4096-16384 (32-128 long programs), 1.14x at N 512, and ties without the mask (0.96-1.05x).
+# Section 8).  Causal: from MIN_QUERIES queries with at least MIN_PROGRAMS_PER_SM programs of 128 keys (of one
+# K/V head: a program walks its whole group of query heads) per SM: 0.75-0.91x there, grouped heads included
+# (0.77-0.80x at Hq 16-32 on 4-8 K/V heads); 1.20-1.25x at B·H 1, N 4096-16384 (32-128 programs, the longest
+# walking 128 steps), 2.1x with one K/V head for 32 query heads (64 programs), 1.18x at N 512.  Without the
+# mask (balanced programs): from NONCAUSAL_MIN_QUERIES queries, 0.87-0.95x (64-512 programs); grouped heads
+# not measured there.
 MIN_QUERIES = 4096
 MIN_PROGRAMS_PER_SM = 1
+NONCAUSAL_MIN_QUERIES = 1024
 # the kernels' copies
 _BLOCK_N, _BLOCK_M, _HEAD_DIM = gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_M), gl.constexpr(HEAD_DIM)
 _NUM_STAGES, _DS_STAGES = gl.constexpr(NUM_STAGES), gl.constexpr(DS_STAGES)
@@ -158,6 +167,29 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: 
 
 
 @gluon.jit
+def _dq_product(ds_buf, ds_full, k_all, dq_zero, u, W: gl.constexpr, DS_STAGES: gl.constexpr, wait):
+    """Issue dQ rows 64 W .. + 64 of step t = u - DS_STAGES (u >= 0 keeps the arithmetic non-negative) =
+    dS_t K (A: the transposed column slice of step t's dS tile, once both consumers' rows are in, unless
+    ``wait`` is false; B: all 128 keys of K); returns the asynchronous accumulator."""
+    db = u % DS_STAGES
+    mbarrier.wait(ds_full.index(db), ((u // DS_STAGES) - 1) & 1, pred=wait)
+    a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))
+    return warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
+    """Step t's finished dQ rows (float32) to this consumer's staging tile, once the writer has read step
+    t - 1's, and hand them to the writer."""
+    if t > 0:
+        mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
+    dq_stage.index(W).reshape([64, _HEAD_DIM]).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(W), count=1)
+
+
+@gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads, group,
               W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr):
@@ -219,18 +251,20 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_full.index(db), count=1)
-        mbarrier.wait(ds_full.index(db), (t // DS_STAGES) & 1)
-        a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))  # dS rows 64 W .. + 64, all 128 keys
-        dq = warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
+        # dQ of the previous step: its dS tile is complete unless the other consumer is a step behind, so the
+        # consumers need not meet every step (the same step's dQ, which makes them meet, measured 3.46 against
+        # 3.29 ms at the leaderboard).  At t = 0 the product runs on the other dS stage without waiting and its
+        # result is dropped (branch-free: the accumulators keep one type through the loop).
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
-        mbarrier.arrive(ds_empty.index(db), count=1)
         if t > 0:
-            mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
-        dq_stage.index(W).reshape([64, _HEAD_DIM]).store(dq)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(W), count=1)
+            mbarrier.arrive(ds_empty.index((t - 1) % DS_STAGES), count=1)
+            _stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W)
+    if n_iter > 0:  # the last step's dQ
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W)
     # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
     mbarrier.arrive(done, count=1)
     v_smem.store(dv.to(dtype))
@@ -335,13 +369,15 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
          device: torch.device, causal: bool = True) -> bool:
     """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
-    "1", the measured territory: the causal mask, at least MIN_QUERIES queries and MIN_PROGRAMS_PER_SM
-    programs (128 keys of one K/V head: a program walks its whole group of query heads) per SM."""
+    "1", the measured territory: causal, MIN_QUERIES queries and MIN_PROGRAMS_PER_SM programs (128 keys of
+    one K/V head) per SM; without the mask, NONCAUSAL_MIN_QUERIES queries and no grouped K/V heads."""
     if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
         return False
     if env_switch(ENV) == "1":
         return True
-    if not causal or n_q < MIN_QUERIES:
+    if not causal:
+        return n_q >= NONCAUSAL_MIN_QUERIES and heads == kv_heads
+    if n_q < MIN_QUERIES:
         return False
     return fwd.enough_work(triton.cdiv(n_k, BLOCK_N) * z * kv_heads, device, MIN_PROGRAMS_PER_SM)
 
