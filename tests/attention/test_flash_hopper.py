@@ -108,12 +108,12 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
 
 
 def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monkeypatch):
-    """The fused backward: head dim 64 only, bfloat16 / float16 on sm_90; by default causal from MIN_QUERIES
+    """The fused backward: head dims 64 and 128 (DEFAULT_HEAD_DIMS by default), bfloat16 / float16 on sm_90; by default causal from MIN_QUERIES
     queries with MIN_PROGRAMS_PER_SM programs of 128 keys (of one K/V head) per SM, and without the mask from
     NONCAUSAL_MIN_QUERIES queries without grouped heads; the environment forces it on at any size or off, and
     switching the Gluon backward kernels off switches it off too."""
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    n = fused_hopper.MIN_QUERIES
+    n = fused_hopper.MIN_QUERIES[64]
     per_sm = 132 * fused_hopper.MIN_PROGRAMS_PER_SM * fused_hopper.BLOCK_N
 
     def fits(z, hq, hkv, n, d=64, dtype=torch.bfloat16, causal=True):
@@ -122,14 +122,19 @@ def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monke
     assert fits(1, 16, 16, 16384) and fits(4, 16, 16, n) and fits(1, 16, 16, n, dtype=torch.float16)
     assert not fits(4, 16, 16, n // 2)  # shorter rows: the two-kernel backward
     assert fits(1, 32, 8, 16384) and not fits(1, 32, 1, 8192)  # grouped heads: programs per K/V head
-    m = fused_hopper.NONCAUSAL_MIN_QUERIES
+    m = fused_hopper.NONCAUSAL_MIN_QUERIES[64]
     assert fits(1, 8, 8, m, causal=False) and not fits(1, 8, 8, m - 1, causal=False)  # no program count
     assert not fits(1, 32, 8, 16384, causal=False)  # grouped heads without the mask: not measured
-    assert not fits(1, 16, 16, 16384, d=128) and not fits(1, 16, 16, 16384, dtype=torch.float32)
+    assert all(fits(1, 16, 16, 16384, d=d) == (d in fused_hopper.DEFAULT_HEAD_DIMS) for d in (64, 80, 128, 256))
+    n128 = fused_hopper.MIN_QUERIES[128]  # d 128: shorter rows
+    assert fits(4, 25, 25, n128, d=128) and not fits(4, 25, 25, n128 // 2, d=128)
+    m128 = fused_hopper.NONCAUSAL_MIN_QUERIES[128]
+    assert fits(1, 8, 8, m128, d=128, causal=False) and not fits(1, 8, 8, m128 - 1, d=128, causal=False)
+    assert not fits(1, 16, 16, 16384, dtype=torch.float32)
     assert fits(1, 1, 1, max(n, per_sm)) and not fits(1, 1, 1, max(n, per_sm) - fused_hopper.BLOCK_N)
     monkeypatch.setenv(fused_hopper.ENV, "1")
     assert fits(4, 25, 25, 512) and fits(1, 32, 1, 100) and fits(1, 2, 2, 64, causal=False)
-    assert not fits(1, 8, 8, 4096, d=128)
+    assert fits(1, 8, 8, 64, d=128) and not fits(1, 8, 8, 4096, d=96)
     monkeypatch.setenv(fused_hopper.ENV, "0")
     assert not fits(1, 16, 16, 16384)
     monkeypatch.delenv(fused_hopper.ENV)
@@ -635,10 +640,10 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
 @pytest.mark.gpu
 @ON_HOPPER
 @pytest.mark.parametrize("heads, n, d, is_causal, expected", [
-    (8, 16384, 128, True, ["fwd", "dkdv"]),
+    (8, 16384, 128, True, ["fwd", "fused"]),
     (2, 4096, 256, True, ["dq", "dkdv"]),
-    (8, 4096, 128, False, ["fwd", "dq", "dkdv"]),  # without the mask the Gluon dQ too (NONCAUSAL_HEAD_DIMS)
-    (16, 4096, 128, True, ["fwd", "dq", "dkdv"]),  # causal d 128 in CAUSAL_MAX_QUERIES: dQ with two stages
+    (8, 4096, 128, False, ["fwd", "fused"]),  # without the mask from the fused backward's 4096 queries at d 128
+    (16, 4096, 128, True, ["fwd", "fused"]),
     (16, 2048, 64, True, ["dq", "dkdv"]),  # causal d 64 from CAUSAL_MIN_QUERIES (the forward stays portable)
     (16, 4096, 64, True, ["fused"]),  # d 64 from the fused backward's MIN_QUERIES
 ])
@@ -835,18 +840,19 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     heads=st.sampled_from([(3, 3), (8, 2), (4, 1)]),
     nq=st.sampled_from([1, 17, 128, 255, 1000, 2048]),
     nk=st.sampled_from([1, 63, 128, 257, 1025, 2048]),
+    d=st.sampled_from(fused_hopper.HEAD_DIMS),
     is_causal=st.booleans(),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     token_major=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-@example(heads=(3, 3), nq=17, nk=2048, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
-@example(heads=(8, 2), nq=1000, nk=1025, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
-@example(heads=(4, 1), nq=2048, nk=2048, is_causal=True, dtype=torch.float16, token_major=True, seed=4)
-def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, is_causal, dtype, token_major, seed):
+@example(heads=(3, 3), nq=17, nk=2048, d=64, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=1)
+@example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
+@example(heads=(4, 1), nq=2048, nk=2048, d=64, is_causal=True, dtype=torch.float16, token_major=True, seed=4)
+@example(heads=(3, 3), nq=255, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=5)
+def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
     """dQ, dK, dV of the fused backward (flash_bwd_hopper, forced on) against float64: ragged ends, Nq != Nk,
-    one query or one key, key blocks that see no query, grouped K/V heads, token-major views."""
-    d = fused_hopper.HEAD_DIM
+    one query or one key, key blocks that see no query, grouped K/V heads, token-major views, d 64 and 128."""
     hq, hkv = heads
     if token_major:
         q = token_major_view(2, hq, nq, d, dtype, seed)
@@ -866,14 +872,13 @@ def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, is_causal, 
 
 @pytest.mark.gpu
 @ON_HOPPER
-@pytest.mark.parametrize("z, heads, n, is_causal", [(2, (4, 4), 1000, True), (1, (8, 2), 700, False)])
-def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, is_causal):
+@pytest.mark.parametrize("z, heads, n, d, is_causal", [(2, (4, 4), 1000, 64, True), (1, (8, 2), 700, 128, False)])
+def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d, is_causal):
     """The fused backward's three launches are recorded like the others, its float32 dQ accumulator taken as
     an extra slot: the next calls of the signature replay them.  dK and dV equal the ordinary call's bit for
     bit; dQ is summed by TMA reductions whose order varies from run to run, so it is compared within
     float32 rounding of the accumulator (one unit in the last place of the output dtype)."""
     monkeypatch.setenv(fused_hopper.ENV, "1")
-    d = fused_hopper.HEAD_DIM
     q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i).requires_grad_() for i in range(3))
     grad_out = torch.randn_like(q)
 

@@ -1,30 +1,32 @@
-"""Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dim 64: dQ, dK and dV from one pass over
-the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
+"""Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dims 64 and 128: dQ, dK and dV from one pass
+over the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
 
     backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal)
-    q, o, do, dq: (Z, H, Nq, 64)   k, v, dk, dv: (Z, H_kv, Nk, 64)   lse, delta: (Z, H, Nq) float32
-    dqa: (Z, H, Nq, 64) float32 contiguous (dQ's accumulator, zeroed here)
+    q, o, do, dq: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32, d 64 or 128
+    dqa: (Z, H, Nq, d) float32 contiguous (dQ's accumulator, zeroed here)
 
 Three launches: `_prep_kernel` (delta = rowsum(O * dO), dqa = 0), `flash_bwd_hopper_kernel`, `_post_kernel`
-(dQ = dqa / sqrt(d) in dq's dtype and strides).  The main kernel is FlashAttention-3's tile at d 64: one
-program owns 128 keys of one (z, h_kv) and walks the query rows of every query head of its group in steps
-of 128.  Four partitions (`gl.warp_specialize`):
+(dQ = dqa / sqrt(d) in dq's dtype and strides).  The main kernel takes FlashAttention-3's tiles: one program
+owns 128 keys of one (z, h_kv) and walks the query rows of every query head of its group in steps of BLOCK_M
+(128 at d 64, 64 at d 128).  Four partitions (`gl.warp_specialize`):
 
     producer (1 warp):   K and V once; per step Q and dO (TMA) and the step's L·log2(e) and delta rows
                          (plain loads into shared memory) into a NUM_STAGES ring
     consumer w (4 warps, w = 0, 1), keys 64w .. 64w + 64, per step t:
-        S^T = K_w Q_t^T, dP^T = V_w dO_t^T               (64 x 128 each, asynchronous)
+        S^T = K_w Q_t^T, dP^T = V_w dO_t^T               (64 x BLOCK_M each, asynchronous)
         P^T = exp2(S^T · log2(e)/sqrt(d) - L_t · log2(e)), masked, rounded to the input dtype
         dS^T = P^T (dP^T - delta_t)
         dV_w += P^T dO_t, dK_w += dS^T Q_t                (P^T and dS^T as register operands)
-        dS^T rows into the step's shared (128 keys, 128 queries) tile (two stages)
-        dQ_{t-1} rows 64w .. 64w + 64 = dS_{t-1} K  (the previous step's tile, transposed column slice,
-                                                     all 128 keys: both consumers' rows are in by now)
-        dQ_{t-1} rows (float32) to the consumer's staging tile
+        dS^T rows into the step's shared (128 keys, BLOCK_M queries) tile (two stages)
+        a (64, 64) part of dQ_{t-1} = dS_{t-1} K over all 128 keys, from the previous step's tile (both
+        consumers' rows are in by now): d 64, rows 64w .. + 64 (the tile's transposed column slice);
+        d 128, columns 64w .. + 64 (K's column slice)
+        that part (float32) to the consumer's staging tile
     writer (1 warp):     each staging tile reduce-added into dqa by TMA (`cp.reduce.async.bulk.tensor`)
 
-Every product's A operand is a register tile or a 64-row shared slice, so a consumer holds S^T and dP^T
-(64 registers a thread each), dK and dV (32 each) and dQ (32) at 240 registers (`REGS`).  P^T is rounded
+Every product's A operand is a register tile or a shared slice, so a consumer holds S^T and dP^T (64
+registers a thread each at d 64, 32 at d 128), dK and dV (32 each at d 64, 64 at d 128) and its dQ part (32)
+at 240 registers (`REGS`).  P^T is rounded
 before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
 kernel took 4.54 against 3.45 ms at the leaderboard (docs/flash-attention.md, Section 8).  The dS tile is
 double-buffered; its stages and the ring's are released by mbarriers that both consumers arrive at.  The
@@ -66,13 +68,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
 from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 
-HEAD_DIM = 64
+HEAD_DIMS = (64, 128)
+# head dims taken by default (`fits`); "1" in ENV takes every one of HEAD_DIMS
+DEFAULT_HEAD_DIMS = (64, 128)
 # "0": never; "1": any d 64 problem the inputs allow (grouped heads and short rows included); unset: the
 # measured territory (`fits`).
 ENV = "CS336_FLASH_FUSED_BWD"
 BWD_ENV = "CS336_FLASH_HOPPER_BWD"  # flash_dkdv_hopper.ENV: "0" switches every Gluon backward kernel off
 BLOCK_N = 128  # keys per program: two consumers of 64
-BLOCK_M = 128  # query rows per step
+# query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
+# consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
+BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage); 2 dS stages (32 KB each), 2 dQ staging tiles (16 KB each)
 DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
@@ -80,17 +86,18 @@ DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
 MAXNREG = 168
 REGS = (240, 32)
 # Where it measured faster than the two-kernel backward (H100, bf16, CUDA-graph time; docs/flash-attention.md,
-# Section 8).  Causal: from MIN_QUERIES queries with at least MIN_PROGRAMS_PER_SM programs of 128 keys (of one
-# K/V head: a program walks its whole group of query heads) per SM: 0.75-0.91x there, grouped heads included
-# (0.77-0.80x at Hq 16-32 on 4-8 K/V heads); 1.20-1.25x at B·H 1, N 4096-16384 (32-128 programs, the longest
-# walking 128 steps), 2.1x with one K/V head for 32 query heads (64 programs), 1.18x at N 512.  Without the
-# mask (balanced programs): from NONCAUSAL_MIN_QUERIES queries, 0.87-0.95x (64-512 programs); grouped heads
-# not measured there.
-MIN_QUERIES = 4096
+# Section 8), by head dim.  Causal: from MIN_QUERIES queries with at least MIN_PROGRAMS_PER_SM programs of 128
+# keys (of one K/V head: a program walks its whole group of query heads) per SM.  d 64: 0.75-0.91x there,
+# grouped heads included (0.77-0.80x at Hq 16-32 on 4-8 K/V heads); 1.20-1.25x at B·H 1, N 4096-16384 (32-128
+# programs, the longest walking 128 steps), 2.1x with one K/V head for 32 query heads (64 programs), 1.18x at
+# N 512.  d 128: 0.69-0.94x from N 1024 (B 4, H 25) to 65536.  Without the mask (balanced programs): from
+# NONCAUSAL_MIN_QUERIES queries, no grouped heads (not measured): d 64 0.87-0.95x from N 1024; d 128 0.78-0.81x
+# from N 4096, 1.04x at N 1024.
+MIN_QUERIES = {64: 4096, 128: 1024}
 MIN_PROGRAMS_PER_SM = 1
-NONCAUSAL_MIN_QUERIES = 1024
+NONCAUSAL_MIN_QUERIES = {64: 1024, 128: 4096}
 # the kernels' copies
-_BLOCK_N, _BLOCK_M, _HEAD_DIM = gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_M), gl.constexpr(HEAD_DIM)
+_BLOCK_N = gl.constexpr(BLOCK_N)
 _NUM_STAGES, _DS_STAGES = gl.constexpr(NUM_STAGES), gl.constexpr(DS_STAGES)
 
 
@@ -103,23 +110,24 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _steps(start_n, n_q, group, CAUSAL: gl.constexpr):
+def _steps(start_n, n_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """(first query tile, query tiles per head, steps): causal programs skip the tiles before their keys."""
     if CAUSAL:
-        lo_tile = start_n // _BLOCK_M
+        lo_tile = start_n // BLOCK_M
     else:
         lo_tile = 0
-    m_tiles = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
-    n_iter = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 0) * group
+    m_tiles = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
+    n_iter = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 0) * group
     return lo_tile, m_tiles, n_iter
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
-              empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr):
+              empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+              BLOCK_M: gl.constexpr):
     """K and V once; per step Q, dO (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage
     both consumers released.  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
-    vec_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     start_n = gl.program_id(0) * _BLOCK_N
     zh = gl.program_id(1)
     z = zh // kv_heads
@@ -127,17 +135,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_b
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
     tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL)
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL, BLOCK_M)
     for t in range(n_iter):
         stage = t % NUM_STAGES
         if t >= NUM_STAGES:
             mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
         h = kv_head * group + t // m_tiles
-        m0 = (lo_tile + t % m_tiles) * _BLOCK_M
+        m0 = (lo_tile + t % m_tiles) * BLOCK_M
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
         tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage))
-        rows = m0 + gl.arange(0, _BLOCK_M, layout=vec_layout)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
         base = (z * heads + h) * n_q
         lse = gl.load(L + base + rows, mask=rows < n_q, other=0.0)
         lse_buf.index(stage).store(lse * 1.4426950408889634)
@@ -148,33 +156,44 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_b
 
 
 @gluon.jit
-def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: gl.constexpr):
+def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: gl.constexpr,
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Per step, each consumer's finished dQ rows reduce-added into dqa; the staging tile is released once
     the copy has read it."""
     start_n = gl.program_id(0) * _BLOCK_N
     zh = gl.program_id(1)
     z = zh // kv_heads
     kv_head = zh % kv_heads
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL)
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL, BLOCK_M)
     for t in range(n_iter):
         h = kv_head * group + t // m_tiles
-        m0 = (lo_tile + t % m_tiles) * _BLOCK_M
+        m0 = (lo_tile + t % m_tiles) * BLOCK_M
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
-            _reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))  # rows past Nq are clipped
+            # d 64: consumer w's rows 64 w .. + 64; d 128: its columns 64 w .. + 64 (rows past Nq are clipped)
+            if HEAD_DIM == 64:
+                _reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))
+            else:
+                _reduce_add(dq_desc, [z, h, m0, 64 * w], dq_stage.index(w))
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(w), count=1)
 
 
 @gluon.jit
-def _dq_product(ds_buf, ds_full, k_all, dq_zero, u, W: gl.constexpr, DS_STAGES: gl.constexpr, wait):
-    """Issue dQ rows 64 W .. + 64 of step t = u - DS_STAGES (u >= 0 keeps the arithmetic non-negative) =
-    dS_t K (A: the transposed column slice of step t's dS tile, once both consumers' rows are in, unless
-    ``wait`` is false; B: all 128 keys of K); returns the asynchronous accumulator."""
+def _dq_product(ds_buf, ds_full, k_all, dq_zero, u, W: gl.constexpr, DS_STAGES: gl.constexpr, wait,
+                HEAD_DIM: gl.constexpr):
+    """Issue this consumer's (64, 64) part of step t's dQ = dS_t K, t = u - DS_STAGES (u >= 0 keeps the
+    arithmetic non-negative): A is step t's dS tile, transposed (d 64: its 64-column slice W; d 128: whole),
+    once both consumers' rows are in (unless ``wait`` is false); B is K over all 128 keys (d 64: every column;
+    d 128: columns 64 W .. + 64).  Returns the asynchronous accumulator."""
     db = u % DS_STAGES
     mbarrier.wait(ds_full.index(db), ((u // DS_STAGES) - 1) & 1, pred=wait)
-    a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))
-    return warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
+    if HEAD_DIM == 64:  # dQ rows 64 W .. + 64 (of 128), every column
+        a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))
+        return warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
+    else:  # d 128: every row (of 64), dQ columns 64 W .. + 64
+        return warpgroup_mma(ds_buf.index(db).permute((1, 0)), k_all.slice(W * 64, 64, 1), dq_zero, use_acc=False,
+                             is_async=True)
 
 
 @gluon.jit
@@ -183,7 +202,7 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
     t - 1's, and hand them to the writer."""
     if t > 0:
         mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
-    dq_stage.index(W).reshape([64, _HEAD_DIM]).store(dq)
+    dq_stage.index(W).reshape([64, 64]).store(dq)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(W), count=1)
@@ -192,7 +211,8 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
 @gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads, group,
-              W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr):
+              W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Keys start_n + 64 W .. + 64: dK and dV, and dQ rows 64 W .. 64 W + 64 of every step (module docstring)."""
     dtype: gl.constexpr = dk_desc.dtype
     start_blk = gl.program_id(0) * _BLOCK_N
@@ -200,30 +220,32 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     zh = gl.program_id(1)
     z = zh // kv_heads
     kv_head = zh % kv_heads
-    s_layout: gl.constexpr = fwd.mma_layout(4, _BLOCK_M)
-    acc_layout: gl.constexpr = fwd.mma_layout(4, _HEAD_DIM)
+    s_layout: gl.constexpr = fwd.mma_layout(4, BLOCK_M)
+    acc_layout: gl.constexpr = fwd.mma_layout(4, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_all = k_buf.reshape([_BLOCK_N, _HEAD_DIM])
+    k_all = k_buf.reshape([_BLOCK_N, HEAD_DIM])
     k_smem = k_all.slice(W * 64, 64, 0)
-    v_smem = v_buf.reshape([_BLOCK_N, _HEAD_DIM]).slice(W * 64, 64, 0)
-    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, group, CAUSAL)
-    full_end = n_q // _BLOCK_M - lo_tile  # relative tiles with no rows past Nq
-    dk = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
-    dq_zero = gl.zeros([64, _HEAD_DIM], gl.float32, layout=acc_layout)
-    s_zero = gl.zeros([64, _BLOCK_M], gl.float32, layout=s_layout)
+    v_smem = v_buf.reshape([_BLOCK_N, HEAD_DIM]).slice(W * 64, 64, 0)
+    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, group, CAUSAL, BLOCK_M)
+    full_end = n_q // BLOCK_M - lo_tile  # relative tiles with no rows past Nq
+    diag_tiles = _BLOCK_N // BLOCK_M  # causal: the steps over the block's own 128 queries
+    dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
+    dq_layout: gl.constexpr = fwd.mma_layout(4, 64)
+    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+    s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iter):
         stage = t % NUM_STAGES
         db = t % DS_STAGES
         rel = t % m_tiles
-        m0 = (lo_tile + rel) * _BLOCK_M
+        m0 = (lo_tile + rel) * BLOCK_M
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
-        q_s = q_buf.index(stage).reshape([_BLOCK_M, _HEAD_DIM])
-        do_s = do_buf.index(stage).reshape([_BLOCK_M, _HEAD_DIM])
+        q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = fwd.dot_nt(k_smem, q_s, s_zero, 0)
         dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, 0)
         lse = lse_buf.index(stage).load(col_layout)
@@ -231,9 +253,9 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         need_mask = rel >= full_end
         if CAUSAL:
-            need_mask = need_mask | (rel == 0)  # the diagonal block
+            need_mask = need_mask | (rel < diag_tiles)
         if need_mask:
-            cols = m0 + gl.arange(0, _BLOCK_M, layout=col_layout)
+            cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
             visible = gl.expand_dims(cols < n_q, 0)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
@@ -255,14 +277,14 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         # consumers need not meet every step (the same step's dQ, which makes them meet, measured 3.46 against
         # 3.29 ms at the leaderboard).  At t = 0 the product runs on the other dS stage without waiting and its
         # result is dropped (branch-free: the accumulators keep one type through the loop).
-        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0)
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0, HEAD_DIM)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
         if t > 0:
             mbarrier.arrive(ds_empty.index((t - 1) % DS_STAGES), count=1)
             _stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W)
     if n_iter > 0:  # the last step's dQ
-        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True)
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True, HEAD_DIM)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W)
     # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
@@ -280,32 +302,34 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
 def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
                             qk_scale, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
     producer warp and the writer warp as workers.  Shared memory: K, V 32 KB; the ring 2 x 32 KB; the dS
     tiles 2 x 32 KB; the dQ staging tiles 2 x 16 KB (195 KB with the ring's L / delta rows)."""
     dtype: gl.constexpr = k_desc.dtype
-    k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, _HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, _HEAD_DIM], k_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    q_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, _BLOCK_M, _HEAD_DIM], q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, _BLOCK_M, _HEAD_DIM], do_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], vec_smem)
-    delta_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, _BLOCK_M], vec_smem)
+    lse_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, BLOCK_M], vec_smem)
+    delta_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, BLOCK_M], vec_smem)
     ready = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(_NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
-    ds_buf = gl.allocate_shared_memory(dtype, [_DS_STAGES, _BLOCK_N, _BLOCK_M], ds_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, BLOCK_M], dtype)
+    ds_buf = gl.allocate_shared_memory(dtype, [_DS_STAGES, _BLOCK_N, BLOCK_M], ds_layout)
     ds_full = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(_DS_STAGES):
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, 64, _HEAD_DIM], dq_desc.layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, 64, 64], dq_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -317,13 +341,13 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
-                     group, 0, CAUSAL, _NUM_STAGES, _DS_STAGES)),
+                     group, 0, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
-                     group, 1, CAUSAL, _NUM_STAGES, _DS_STAGES)),
+                     group, 1, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
-                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, _NUM_STAGES)),
-        (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL)),
+                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, _NUM_STAGES, BLOCK_M)),
+        (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL, BLOCK_M, HEAD_DIM)),
     ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
 
@@ -363,7 +387,7 @@ def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     backward kernels are switched off (`flash_dkdv_hopper.ENV` "0")."""
     if env_switch(BWD_ENV) == "0":
         return False
-    return fwd.switched_on(ENV, (HEAD_DIM,), (HEAD_DIM,), head_dim, dtype, device)
+    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
 
 
 def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
@@ -376,8 +400,8 @@ def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, d
     if env_switch(ENV) == "1":
         return True
     if not causal:
-        return n_q >= NONCAUSAL_MIN_QUERIES and heads == kv_heads
-    if n_q < MIN_QUERIES:
+        return n_q >= NONCAUSAL_MIN_QUERIES[head_dim] and heads == kv_heads
+    if n_q < MIN_QUERIES[head_dim]:
         return False
     return fwd.enough_work(triton.cdiv(n_k, BLOCK_N) * z * kv_heads, device, MIN_PROGRAMS_PER_SM)
 
@@ -394,10 +418,11 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d
 
 
 def _accumulator_descriptor(dqa: torch.Tensor):
+    """(1, 1, 64, 64) float32 boxes over dQ's accumulator: a consumer's part of a step."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], gl.float32)
-    return TensorDescriptor.from_tensor(dqa, [1, 1, 64, HEAD_DIM], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 64], gl.float32)
+    return TensorDescriptor.from_tensor(dqa, [1, 1, 64, 64], layout)
 
 
 def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
@@ -405,16 +430,17 @@ def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=dir
     lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, 64) contiguous float32 (overwritten).
     ``wrap``: `flash_launch.direct`, or a `flash_replay.Recorder` recording the three launches."""
     z, heads, n_q, d = q.shape
-    if d != HEAD_DIM:
-        raise ValueError(f"the fused Hopper backward takes head dim {HEAD_DIM}; got d={d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the fused Hopper backward takes head dims {HEAD_DIMS}; got d={d}")
+    block_m = BLOCK_M[d]
     kv_heads = k.shape[1]
     rows = (triton.cdiv(n_q, 64), z * heads)
     wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
                              do.stride(1), do.stride(2), D=d, BLOCK=64)
     grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
     wrap(flash_bwd_hopper_kernel)[grid](
-        fwd.descriptor(q, BLOCK_M), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
-        fwd.descriptor(do, BLOCK_M), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64), _accumulator_descriptor(dqa),
+        fwd.descriptor(q, block_m), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
+        fwd.descriptor(do, block_m), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64), _accumulator_descriptor(dqa),
         lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, heads, kv_heads, heads // kv_heads,
         CAUSAL=causal, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
     )
