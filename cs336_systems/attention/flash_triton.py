@@ -29,8 +29,12 @@ causal mask, and causal at d 64 and 128 from 2048 queries up to 4096 / 8192 (`ke
 and dK/dV at d 64, 80, 96, 128 and 256
 (`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
 faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
-(`_inductor_path`).  ``CS336_FLASH_HOPPER_FWD`` (forward) / ``CS336_FLASH_HOPPER_BWD`` (dQ and dK/dV): ``0``
-never, ``1`` wherever the inputs allow (docs/flash-attention.md, Section 14).
+(`_inductor_path`).  At d 64 and 128 the whole backward may instead be one fused Gluon pass
+(`kernels/flash_bwd_hopper`: five tile products instead of seven, dQ summed in float32 by TMA reductions,
+so dQ is not bitwise reproducible run to run; causal from 4096 / 1024 queries with a program per SM,
+without the mask from 1024 / 4096), which replaces both backward launches.  ``CS336_FLASH_HOPPER_FWD``
+(forward) / ``CS336_FLASH_HOPPER_BWD`` (every Gluon backward kernel) / ``CS336_FLASH_FUSED_BWD`` (the fused
+backward): ``0`` never, ``1`` wherever the inputs allow (docs/flash-attention.md, Sections 8 and 14).
 
 Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
 are registered operators, chosen once per traced shape (`_inductor_path`):
