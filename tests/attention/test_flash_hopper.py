@@ -142,6 +142,24 @@ def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monke
     assert not fits(1, 16, 16, 16384)
 
 
+@pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
+def test_fused_backward_prep_and_post_kernels_match_torch():
+    """The fused backward's two small kernels (the Gluon kernel itself runs only on sm_90): delta =
+    rowsum(O * dO) with a zeroed float32 dQ accumulator, then dQ = accumulator · scale in dQ's dtype and
+    strides; token-major views of O and dQ, a ragged last row block."""
+    z, h, n, d = 2, 3, 70, 64
+    o = torch.randn(z, n, h, d, dtype=torch.float16).transpose(1, 2)
+    do = torch.randn(z, h, n, d, dtype=torch.float16)
+    delta, dqa = torch.empty(z, h, n), torch.full((z, h, n, d), 7.0)
+    fused_hopper._prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], D=d, BLOCK=64)
+    torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert not dqa.any()
+    dqa = torch.randn(z, h, n, d)
+    dq = torch.empty(z, n, h, d, dtype=torch.float16).transpose(1, 2)
+    fused_hopper._post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], 0.125, D=d, BLOCK=64)
+    assert torch.equal(dq, (dqa * 0.125).half())
+
+
 def test_dkdv_at_padded_head_dims_starts_at_the_models_context(monkeypatch):
     """d 80 and 96 (a padded 128-wide tile in either kernel) take the Hopper dK/dV from PADDED_MIN_QUERIES
     queries (the 2.7B model's N 512), with the other rules unchanged; d 64 and 128 keep MIN_QUERIES."""
@@ -578,6 +596,17 @@ ON_HOPPER = pytest.mark.skipif(
     reason=f"the Gluon forward runs on compute capability 9.x with Triton {hopper.TRITON_VERSIONS}")
 
 
+def _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed):
+    """q (2, Hq, nq, d) and k, v (2, Hkv, nk, d) on the GPU, head-major or token-major views."""
+    hq, hkv = heads
+    if token_major:
+        q = token_major_view(2, hq, nq, d, dtype, seed)
+        return q, token_major_view(2, hkv, nk, d, dtype, seed + 1), token_major_view(2, hkv, nk, d, dtype, seed + 2)
+    q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
+    _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    return q, k, v
+
+
 @pytest.mark.gpu
 @ON_HOPPER
 @settings(max_examples=40, deadline=None)
@@ -611,13 +640,7 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     one key, grouped K/V heads, token-major views; all three Gluon kernels must have run.  split_dv: d 256's
     dK/dV as two launches (the dV part with its own tiles, the dK part with its long-row tiles) whatever
     the size, as from 8192 and 32768 queries (the latter for odd seeds, which also take dQ's long-row tiles)."""
-    hq, hkv = heads
-    if token_major:
-        q = token_major_view(2, hq, nq, d, dtype, seed)
-        k, v = token_major_view(2, hkv, nk, d, dtype, seed + 1), token_major_view(2, hkv, nk, d, dtype, seed + 2)
-    else:
-        q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
-        _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
     real_fwd, real_dq, real_dkdv = flash_triton._gluon_forward, dq_hopper.dq, dkdv_hopper.dkdv
     with pytest.MonkeyPatch.context() as patch:
@@ -853,13 +876,7 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
 def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
     """dQ, dK, dV of the fused backward (flash_bwd_hopper, forced on) against float64: ragged ends, Nq != Nk,
     one query or one key, key blocks that see no query, grouped K/V heads, token-major views, d 64 and 128."""
-    hq, hkv = heads
-    if token_major:
-        q = token_major_view(2, hq, nq, d, dtype, seed)
-        k, v = token_major_view(2, hkv, nk, d, dtype, seed + 1), token_major_view(2, hkv, nk, d, dtype, seed + 2)
-    else:
-        q = random_qkv((2, hq), nq, nk, d, dtype, "cuda", seed)[0]
-        _, k, v = random_qkv((2, hkv), nq, nk, d, dtype, "cuda", seed + 1)
+    q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
     real = fused_hopper.backward
     with pytest.MonkeyPatch.context() as patch:

@@ -352,16 +352,20 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 
 
 @triton.jit
+def _row_block(n_q, heads, D: tl.constexpr, BLOCK: tl.constexpr):
+    """The program's (z * H + h, z, h), its BLOCK query rows and D columns, and the rows-inside-Nq mask
+    ((BLOCK, 1)): grid (row blocks, Z * H)."""
+    zh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return zh, zh // heads, zh % heads, rows, tl.arange(0, D), rows[:, None] < n_q
+
+
+@triton.jit
 def _prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, D: tl.constexpr,
                  BLOCK: tl.constexpr):
     """delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their own strides); their rows of the
     float32 dQ accumulator (contiguous) zeroed."""
-    zh = tl.program_id(1)
-    z = zh // heads
-    h = zh % heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    m = rows[:, None] < n_q
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, BLOCK)
     o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
     do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
     tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
@@ -371,12 +375,7 @@ def _prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, 
 @triton.jit
 def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, BLOCK: tl.constexpr):
     """dQ = dqa · scale in dQ's dtype and strides, BLOCK rows of one (z, h)."""
-    zh = tl.program_id(1)
-    z = zh // heads
-    h = zh % heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    m = rows[:, None] < n_q
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, BLOCK)
     x = tl.load(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], mask=m, other=0.0)
     tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
              mask=m)
