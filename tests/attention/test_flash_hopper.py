@@ -107,11 +107,12 @@ def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch)
     assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
 
 
-def test_fused_backward_takes_d64_from_its_measured_length(hopper_machine, monkeypatch):
-    """The fused backward: head dims 64 and 128 (DEFAULT_HEAD_DIMS by default), bfloat16 / float16 on sm_90; by default causal from MIN_QUERIES
-    queries with MIN_PROGRAMS_PER_SM programs of 128 keys (of one K/V head) per SM, and without the mask from
-    NONCAUSAL_MIN_QUERIES queries without grouped heads; the environment forces it on at any size or off, and
-    switching the Gluon backward kernels off switches it off too."""
+def test_fused_backward_takes_its_measured_territory(hopper_machine, monkeypatch):
+    """The fused backward: head dims 64 and 128 (DEFAULT_HEAD_DIMS by default), bfloat16 / float16 on
+    sm_90; by default causal from MIN_QUERIES queries with MIN_PROGRAMS_PER_SM programs of 128 keys (of one
+    K/V head) per SM, and without the mask from NONCAUSAL_MIN_QUERIES queries without grouped heads; the
+    environment forces it on at any size or off, and switching the Gluon backward kernels off switches it
+    off too."""
     monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
     n = fused_hopper.MIN_QUERIES[64]
     per_sm = 132 * fused_hopper.MIN_PROGRAMS_PER_SM * fused_hopper.BLOCK_N
@@ -920,3 +921,25 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
         launch.compiled.name == "flash_bwd_hopper_kernel" for launch in plan.launches)]
     assert len(plans) == 1 and len(plans[0].launches) == 3
     assert len(ran) == 1  # recorded at the first call, replayed at the next two
+
+
+@pytest.mark.gpu
+@ON_HOPPER
+@pytest.mark.parametrize("d, is_causal", [(64, False), (128, False), (64, True)])
+def test_gpu_fused_backward_masks_the_keys_past_nk(d, is_causal):
+    """Keys past Nk are zero-filled by TMA, so their scores are 0: with every real score far below 0 (L about
+    -20), exp(-L) overflows float16, and unmasked they would put inf x 0 into dQ.  Nk ragged (1000), Nq >
+    Nk, float16: the gradients stay finite and match float64."""
+    q, k, v = _grouped_qkv((2, 2), 1100, 1000, d, torch.float16, False, 21)
+    with torch.no_grad():  # q = -a u, k = a u (u a unit vector, small noise): scores -a^2 / sqrt(d) = -20
+        unit = torch.ones(d, device="cuda", dtype=torch.float16) / d ** 0.5
+        a = (20 * d ** 0.5) ** 0.5
+        q.copy_(q * 0.01 - a * unit)
+        k.copy_(k * 0.01 + a * unit)
+    ran, real = [], fused_hopper.backward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused_hopper.ENV, "1")
+        patch.setenv(flash_triton.REPLAY_ENV, "0")
+        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
+        assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
+    assert ran == ["fused"], ran

@@ -26,7 +26,7 @@ owns 128 keys of one (z, h_kv) and walks the query rows of every query head of i
 
 Every product's A operand is a register tile or a shared slice, so a consumer holds S^T and dP^T (64
 registers a thread each at d 64, 32 at d 128), dK and dV (32 each at d 64, 64 at d 128) and its dQ part (32)
-at 240 registers (`REGS`).  P^T is rounded
+at 232-240 registers (`REGS`).  P^T is rounded
 before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
 kernel took 4.54 against 3.45 ms at the leaderboard (docs/flash-attention.md, Section 8).  The dS tile is
 double-buffered; its stages and the ring's are released by mbarriers that both consumers arrive at.  The
@@ -37,9 +37,9 @@ the other's products) instead of meeting every step.
 dK and dV are deterministic.  dQ is not bit for bit: its float32 sums arrive by TMA reductions from the
 programs of every key block, in an order that varies from run to run (as FlashAttention-2/3's atomic dQ).
 
-Causal: a program's first step is the diagonal block (128 keys start at a multiple of 128), the only one
-masked besides ragged last steps.  Keys past Nk are zero-filled by TMA (their dK / dV rows are clipped by
-the stores; their dS columns multiply zero K rows in dQ).  Grouped-query attention: the step loop runs over
+Causal: a program's first steps cover the diagonal block (128 keys start at a multiple of 128), the only
+ones masked besides ragged last steps.  Keys past Nk are zero-filled by TMA and masked in the last key
+block (their dK / dV rows are clipped by the stores).  Grouped-query attention: the step loop runs over
 the group's heads in turn, so dK and dV sum over the group without atomics.
 
 Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `supported_here`, descriptors and layouts
@@ -71,18 +71,19 @@ from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 HEAD_DIMS = (64, 128)
 # head dims taken by default (`fits`); "1" in ENV takes every one of HEAD_DIMS
 DEFAULT_HEAD_DIMS = (64, 128)
-# "0": never; "1": any d 64 problem the inputs allow (grouped heads and short rows included); unset: the
-# measured territory (`fits`).
+# "0": never; "1": any problem at HEAD_DIMS the inputs allow (grouped heads and short rows included); unset:
+# the measured territory (`fits`).
 ENV = "CS336_FLASH_FUSED_BWD"
 BWD_ENV = "CS336_FLASH_HOPPER_BWD"  # flash_dkdv_hopper.ENV: "0" switches every Gluon backward kernel off
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
 BLOCK_M = {64: 128, 128: 64}
-NUM_STAGES = 2  # Q / dO ring (32 KB a stage); 2 dS stages (32 KB each), 2 dQ staging tiles (16 KB each)
+NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
 DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
-# to 240 for each consumer warpgroup and 32 for the workers' (240 + 240 + 32 <= 3 x 168)
+# by `setmaxnreg`: 240 for the worker consumer warpgroup and 32 for the workers' warpgroup; the first
+# consumer (the default partition) gets what is left, 168 x 3 - 240 - 32 = 232
 MAXNREG = 168
 REGS = (240, 32)
 # Where it measured faster than the two-kernel backward (H100, bf16, CUDA-graph time; docs/flash-attention.md,
@@ -210,7 +211,8 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
 
 @gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-              ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads, group,
+              ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
+              group,
               W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Keys start_n + 64 W .. + 64: dK and dV, and dQ rows 64 W .. 64 W + 64 of every step (module docstring)."""
@@ -237,6 +239,9 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
+    # keys past Nk are zero-filled: their scores are 0 and exp(-L) could overflow the input dtype (L very
+    # negative), and dQ would then take inf x 0 from their zero K rows: the last key block masks them
+    ragged_keys = start_blk + _BLOCK_N > n_k
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iter):
         stage = t % NUM_STAGES
@@ -251,12 +256,12 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         lse = lse_buf.index(stage).load(col_layout)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_s))[0]
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-        need_mask = rel >= full_end
+        need_mask = (rel >= full_end) | ragged_keys
         if CAUSAL:
             need_mask = need_mask | (rel < diag_tiles)
         if need_mask:
             cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = gl.expand_dims(cols < n_q, 0)
+            visible = gl.expand_dims(cols < n_q, 0) & gl.expand_dims(keys < n_k, 1)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(visible, p_t, 0.0)
@@ -300,13 +305,14 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
 
 @gluon.jit
 def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
-                            qk_scale, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr,
+                            qk_scale, n_q, n_k, heads, kv_heads, group, CAUSAL: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
-    producer warp and the writer warp as workers.  Shared memory: K, V 32 KB; the ring 2 x 32 KB; the dS
-    tiles 2 x 32 KB; the dQ staging tiles 2 x 16 KB (195 KB with the ring's L / delta rows)."""
+    producer warp and the writer warp as workers.  Shared memory at d 64 (d 128): K, V 32 (64) KB; the ring
+    2 x 32 KB; the dS tiles 2 x 32 (16) KB; the dQ staging tiles 2 x 16 KB: 195 (194) KB with the ring's L and
+    delta rows."""
     dtype: gl.constexpr = k_desc.dtype
     k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -340,10 +346,10 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
                      group, 0, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, kv_heads,
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
                      group, 1, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
                      empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, _NUM_STAGES, BLOCK_M)),
@@ -426,7 +432,7 @@ def _accumulator_descriptor(dqa: torch.Tensor):
 
 def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
     """dq (q's shape, unit stride on d), dk, dv (like k, v; `usable` strides) written in place, and delta;
-    lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, 64) contiguous float32 (overwritten).
+    lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, d) contiguous float32 (overwritten).
     ``wrap``: `flash_launch.direct`, or a `flash_replay.Recorder` recording the three launches."""
     z, heads, n_q, d = q.shape
     if d not in HEAD_DIMS:
@@ -440,7 +446,8 @@ def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=dir
     wrap(flash_bwd_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
         fwd.descriptor(do, block_m), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64), _accumulator_descriptor(dqa),
-        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, heads, kv_heads, heads // kv_heads,
+        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
+        heads // kv_heads,
         CAUSAL=causal, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
     )
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
