@@ -212,10 +212,10 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
 @gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-              group,
-              W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
+              group, W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Keys start_n + 64 W .. + 64: dK and dV, and dQ rows 64 W .. 64 W + 64 of every step (module docstring)."""
+    """Keys start_n + 64 W .. + 64: dK and dV, and this consumer's (64, 64) part of every step's dQ (rows
+    64 W .. + 64 at d 64, columns at d 128; module docstring)."""
     dtype: gl.constexpr = dk_desc.dtype
     start_blk = gl.program_id(0) * _BLOCK_N
     start_n = start_blk + W * 64
