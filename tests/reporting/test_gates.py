@@ -195,11 +195,11 @@ def test_a_gate_of_groups_the_run_did_not_select_is_not_applicable_and_names_the
     other = {**_entry("naive", "forward", 1.0), "suite": "flash", "group": "flash-bf16-graph"}
     checks = gates.evaluate(m.gates, _run([other]), gates.case_fields_of(m), profile_cases)
     assert [c.verdict for c in checks] == ["not applicable"] * len(m.gates) and all(c.ok for c in checks)
-    assert checks[0].case == "needs group leaderboard, not selected"
-    assert checks[1].case == "needs group ddp-bf16 or ddp-fp32, not selected"
+    assert checks[0].case == checks[1].case == "needs group leaderboard, not selected"  # sdpa-flash, cuDNN
+    assert checks[2].case == "needs group ddp-bf16 or ddp-fp32, not selected"
     # own (AdamWMaster) vs HF Llama (AdamW): the only group that lists both sides is e2e-hf
-    assert checks[2].case == "needs group e2e-hf, not selected"
     assert checks[3].case == "needs group e2e-hf, not selected"
+    assert checks[4].case == "needs group e2e-hf, not selected"
     assert gates.summary(checks) == "ratio gates: none applies to this run"
 
 
@@ -222,9 +222,10 @@ def test_cli_derives_the_selection_of_runs_saved_without_one_from_the_matrix(tmp
     run = _saved_run(entries)
     del run["perf_not_timed"]
     assert _cli(tmp_path, run) == 0
-    idle = len(m.gates) - 1  # every gate but the leaderboard's
-    # two leaderboard shapes (d 64, d 128) x host and device timing
-    assert f"ratio gates: all 4 measured pairs hold ({idle} gate(s) not applicable)" in capsys.readouterr().out
+    idle = len(m.gates) - 2  # every gate but the leaderboard's two
+    # against sdpa-flash: two leaderboard shapes (d 64, d 128) x host and device timing; against cuDNN: the
+    # two shapes in device timing
+    assert f"ratio gates: all 6 measured pairs hold ({idle} gate(s) not applicable)" in capsys.readouterr().out
     run["benchmarks"] = [b for b in run["benchmarks"]
                          if not (b["extra_info"]["impl"] == "flash-triton" and b["extra_info"]["compile"])]
     assert _cli(tmp_path, run) == 1  # the compiled flash-triton cases are missing from a leaderboard run
