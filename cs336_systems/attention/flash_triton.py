@@ -245,32 +245,36 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
         return dq, dk, dv
     record = replayed is None
     gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
-    if gluon and bwd_hopper.usable(q, k, v, o, do, is_causal):
-        # one fused pass (flash_bwd_hopper): dQ accumulated in float32 through TMA reductions
-        dqa = slots[-1] if len(slots) == 11 else torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        slots = slots[:10] + (dqa,)
-        recorder = Recorder(slots) if record else None
-        bwd_hopper.backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, is_causal, recorder or wrap)
-        if record:
-            _remember(key, recorder)
-            _fused_keys.add(key)  # after `_remember`, which may start the tables over
-        return dq, dk, dv
-    cfg = _select(q, k, is_causal)
+    fused = gluon and bwd_hopper.usable(q, k, v, o, do, is_causal)
+    if fused and len(slots) == 10:  # the fused pass's float32 dQ accumulator
+        slots += (torch.empty(q.shape, device=q.device, dtype=torch.float32),)
     recorder = Recorder(slots) if record else None
+    if fused:  # one pass (flash_bwd_hopper): dQ accumulated in float32 through TMA reductions
+        bwd_hopper.backward(q, k, v, o, do, lse, delta, slots[10], dq, dk, dv, is_causal, recorder or wrap)
+    else:
+        _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal, recorder or wrap, tma, gluon)
+    if record:
+        _remember(key, recorder)
+        if fused:
+            _fused_keys.add(key)  # after `_remember`, which may start the tables over
+    return dq, dk, dv
+
+
+def _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal: bool, wrap, tma: int | None,
+                         gluon: bool) -> None:
+    """dQ, then dK/dV, each on its Gluon kernel where that one is usable (``gluon``: eager launches)."""
+    cfg = _select(q, k, is_causal)
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
     if gluon and dq_hopper.usable(q, k, v, o, do, is_causal):
         # Gluon, sm_90 (flash_dq_hopper); also delta
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, recorder or wrap)
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, wrap)
     else:
-        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], recorder or wrap, o=o, tma=tma)
+        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
     if gluon and dkdv_hopper.usable(q, k, v, do):
-        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, recorder or wrap)  # Gluon (flash_dkdv_hopper)
+        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, wrap)  # Gluon (flash_dkdv_hopper)
     else:
-        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], recorder or wrap)
-    if record:
-        _remember(key, recorder)
-    return dq, dk, dv
+        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
 
 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
+from cs336_systems.attention.kernels.flash_dkdv_hopper import ENV as BWD_ENV  # "0": every Gluon backward off
 from cs336_systems.attention.kernels.flash_launch import direct, env_switch
 
 HEAD_DIMS = (64, 128)
@@ -74,7 +75,6 @@ DEFAULT_HEAD_DIMS = (64, 128)
 # "0": never; "1": any problem at HEAD_DIMS the inputs allow (grouped heads and short rows included); unset:
 # the measured territory (`fits`).
 ENV = "CS336_FLASH_FUSED_BWD"
-BWD_ENV = "CS336_FLASH_HOPPER_BWD"  # flash_dkdv_hopper.ENV: "0" switches every Gluon backward kernel off
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
