@@ -55,6 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cs336_systems import switches
 from cs336_systems.bench import harness as benchmarking
 from cs336_systems.bench import flops
 from cs336_systems.bench import gpu_telemetry
@@ -188,7 +189,7 @@ def torchrun_context():
         yield None
         return
     # CS336_DIST_TIMEOUT_S bounds every collective, so a hung case fails instead of stalling the job.
-    ctx = launch.init_from_env(timeout_s=float(os.environ.get("CS336_DIST_TIMEOUT_S", "600")))
+    ctx = launch.init_from_env(timeout_s=float(switches.read("CS336_DIST_TIMEOUT_S") or "600"))
     yield ctx
     import torch.distributed as dist
 

@@ -76,15 +76,18 @@ or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`flash_configs.fp32_d
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from cs336_systems import switches
 from cs336_systems.attention.checks import check_qkv, dims_text
-from cs336_systems.attention.kernels import flash_autotune, flash_configs, flash_kernels
+from cs336_systems.attention.plan import Device, FlashOptions, Plan, Problem, plan
+from cs336_systems.attention.kernels import flash_autotune, flash_kernels
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
-from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, d_tiles
+from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
 from cs336_systems.attention.kernels.flash_launch import direct
 from cs336_systems.attention.kernels.flash_replay import (
     REPLAY_TRITON,
@@ -119,14 +122,13 @@ def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = 
 
 
 REPLAY_ENV = "CS336_FLASH_REPLAY"
-# Every environment variable the launch path reads (TRITON_INTERPRET: `flash_autotune.select` asks it per
-# call; TRITON_DEBUG: Triton's JIT compiles with it): a recorded call replays only under the values it was
-# recorded with.  Triton knobs set from Python after a recording (debug, instrumentation, JIT pre-run hooks)
-# are not seen by its replays; Triton's launch hooks are (`flash_replay.hooks_idle`).
-_SWITCHES = (REPLAY_ENV, launch.TMA_ENV, launch.SPLITS_ENV, launch.GROUP_SPLITS_ENV, flash_configs.SPLIT_D_ENV,
-             flash_configs.FP32_DOT_ENV, flash_autotune.AUTOTUNE_ENV, flash_autotune.CACHE_ENV,
-             "CS336_FLASH_HOPPER_FWD", "CS336_FLASH_HOPPER_BWD", "CS336_FLASH_FUSED_BWD", "TRITON_INTERPRET",
-             "TRITON_DEBUG")
+# Every environment variable the launch path reads (the registry's kernel switches; TRITON_INTERPRET:
+# `flash_autotune.select` asks it per call; TRITON_DEBUG: Triton's JIT compiles with it): a recorded call
+# replays only under the values it was recorded with.  Triton knobs set from Python after a recording (debug,
+# instrumentation, JIT pre-run hooks) are not seen by its replays; Triton's launch hooks are
+# (`flash_replay.hooks_idle`).
+_SWITCHES = (REPLAY_ENV,) + tuple(n for n in switches.KERNEL_SWITCHES if n != REPLAY_ENV) + ("TRITON_INTERPRET",
+                                                                                            "TRITON_DEBUG")
 MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
 # Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a workspace,
 # or a descriptor over a view at another address).  Only validated, non-empty signatures are ever entered.
@@ -153,20 +155,20 @@ def _replays_off(value) -> bool:
     return value == "0" or value == b"0"
 
 
-def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...]) -> tuple | None:
+def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...], options: str = "") -> tuple | None:
     """The signature under which an eager call's launches are recorded and replayed (`flash_replay`), or None
     where calls are never replayed: not a plain CUDA tensor, the interpreter, a Triton release whose launcher
     `flash_replay` was not checked against, Triton launch hooks installed, or ``CS336_FLASH_REPLAY=0``.
     Everything the launch path decides from is in it: each tensor's shape, strides, dtype and device, the
     inputs' 16-byte alignment and which of them share an address, ``is_causal``, the current device, the
-    launch switches and the autotune memo's generation."""
+    launch switches, the call's options (`FlashOptions.text`) and the autotune memo's generation."""
     if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
             or type(tensors[0]) is not torch.Tensor or not tensors[0].is_cuda):
         return None  # (before asking CUDA for its current device: a CPU call gets validation's ValueError)
     switches = _switches()
     if _replays_off(switches[0]) or not hooks_idle():
         return None
-    key = [kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches]
+    key = [kind, options, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches]
     ptrs = []
     for t in tensors:  # a plain loop over one flat list: half the time of per-field tuples (~2 us a call)
         if type(t) is not torch.Tensor or not t.is_cuda:
@@ -205,10 +207,26 @@ def _remember(key: tuple, recorder: Recorder | None) -> None:
     _recorded[key] = recorder
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(options: str) -> FlashOptions:
+    return FlashOptions.parse(options)
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, is_causal: bool, tensors: tuple[torch.Tensor, ...], options: str,
+          traced: bool = False) -> Plan:
+    """`plan.plan` for (Z, H, N, d) views: ``tensors`` are those whose layout the kernels need (q, k, v; and o, do
+    for a backward); the options string with the environment's switches over it.  ``traced``: also decide
+    the traced path (at trace time: no base addresses to check)."""
+    switches.warn_unknown()  # a misspelt CS336_FLASH_* switch would otherwise do nothing, in silence
+    problem = Problem.of(q, k, is_causal, tensors, addresses=not traced)
+    return plan(problem, Device.of(q.device), _parsed(options).with_env(), traced=traced)
+
+
 def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None,
-             key: tuple | None = None):
+             key: tuple | None = None, options: str = ""):
     """O and L for (Z, H, N, d) views; ``key`` (eager calls, `_replay_key`): replay the launches recorded
-    under it, or record them."""
+    under it, or record them.  The kernel is the plan's (`plan.plan`); launches through ``wrap`` other than
+    `direct` (inductor's `wrap_triton`) and ``tma`` 0 take the portable kernel with pointer loads."""
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     slots = (q, k, v, o, lse)
@@ -217,8 +235,11 @@ def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma:
         return o, lse
     record = replayed is None  # a new signature: record it (once; a refused one is not tried again)
     recorder = Recorder(slots) if record else None
-    if wrap is direct and tma != 0 and hopper is not None and hopper.usable(q, k, v):
-        _gluon_forward(q, k, v, o, lse, is_causal, recorder or wrap)
+    kernel = "portable"
+    if wrap is direct and tma != 0 and hopper is not None:
+        kernel = _plan(q, k, is_causal, (q, k, v), options).forward
+    if kernel != "portable":  # the Gluon forward (sm_90): same L as the portable one
+        (hopper_ws if kernel == "hopper-ws" else hopper).forward(q, k, v, o, lse, is_causal, recorder or wrap)
     else:
         cfg = _select(q, k, is_causal, may_tune)
         launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
@@ -227,14 +248,9 @@ def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma:
     return o, lse
 
 
-def _gluon_forward(q, k, v, o, lse, is_causal: bool, wrap) -> None:
-    """The Gluon forward (sm_90) for inputs `flash_fwd_hopper.usable` takes: warp-specialized at d 64 and 128
-    (flash_fwd_hopper_ws), flash_fwd_hopper's one-program kernel at the others; same L as the portable one."""
-    (hopper_ws if hopper_ws.takes(q.shape[-1]) else hopper).forward(q, k, v, o, lse, is_causal, wrap)
-
-
-def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None):
-    """dQ, dK, dV; ``key`` as in `_forward`."""
+def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None,
+              options: str = ""):
+    """dQ, dK, dV; ``key`` and the kernels' choice as in `_forward`."""
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
@@ -244,15 +260,19 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
     if replayed:
         return dq, dk, dv
     record = replayed is None
-    gluon = wrap is direct and tma != 0 and hopper is not None  # Gluon kernels: eager launches only
-    fused = gluon and bwd_hopper.usable(q, k, v, o, do, is_causal)
+    chosen = None  # Gluon kernels: eager launches only
+    if wrap is direct and tma != 0 and hopper is not None:
+        chosen = _plan(q, k, is_causal, (q, k, v, o, do), options)
+    fused = chosen is not None and chosen.backward == "fused"
     if fused and len(slots) == 10:  # the fused pass's float32 dQ accumulator
         slots += (torch.empty(q.shape, device=q.device, dtype=torch.float32),)
     recorder = Recorder(slots) if record else None
     if fused:  # one pass (flash_bwd_hopper): dQ accumulated in float32 through TMA reductions
         bwd_hopper.backward(q, k, v, o, do, lse, delta, slots[10], dq, dk, dv, is_causal, recorder or wrap)
     else:
-        _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal, recorder or wrap, tma, gluon)
+        _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal, recorder or wrap, tma,
+                             gluon_dq=chosen is not None and chosen.dq == "hopper",
+                             gluon_dkdv=chosen is not None and chosen.dkdv == "hopper")
     if record:
         _remember(key, recorder)
         if fused:
@@ -261,61 +281,64 @@ def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None
 
 
 def _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal: bool, wrap, tma: int | None,
-                         gluon: bool) -> None:
-    """dQ, then dK/dV, each on its Gluon kernel where that one is usable (``gluon``: eager launches)."""
+                         gluon_dq: bool, gluon_dkdv: bool) -> None:
+    """dQ, then dK/dV, each on its Gluon kernel where the plan chose it."""
     cfg = _select(q, k, is_causal)
     # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
     # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
-    if gluon and dq_hopper.usable(q, k, v, o, do, is_causal):
-        # Gluon, sm_90 (flash_dq_hopper); also delta
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, wrap)
+    if gluon_dq:
+        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, wrap)  # Gluon, sm_90 (flash_dq_hopper); also delta
     else:
         launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
-    if gluon and dkdv_hopper.usable(q, k, v, do):
+    if gluon_dkdv:
         dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, wrap)  # Gluon (flash_dkdv_hopper)
     else:
         launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
 
 
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   options: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The op cs336::flash_attn_fwd: q (Z, H, Nq, d), k, v (Z, H_kv, Nk, d), unit stride on d -> (o like q,
-    L (Z, H, Nq) float32).  Replayed like an eager call (`_replay_key`: a compiled graph runs it on plain
-    tensors), under a signature of its own ("fwd op": it never tunes, where an eager call may)."""
-    return _forward(q, k, v, is_causal, key=_replay_key("fwd op", is_causal, (q, k, v)))
+    L (Z, H, Nq) float32); ``options``: `FlashOptions.text`.  Its kernels are planned on the concrete sizes
+    of each call (a compiled graph runs it on plain tensors, also where the graph's sizes are symbolic), and
+    replayed like an eager call (`_replay_key`), under a signature of its own ("fwd op": it never tunes,
+    where an eager call may)."""
+    return _forward(q, k, v, is_causal, key=_replay_key("fwd op", is_causal, (q, k, v), options), options=options)
 
 
-def _flash_attn_fwd_fake(q, k, v, is_causal):
+def _flash_attn_fwd_fake(q, k, v, is_causal, options=""):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def flash_attn_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool,
+    is_causal: bool, options: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op cs336::flash_attn_bwd, gradients of flash_attn_fwd: all tensors (Z, H, N, d) with unit stride on
-    d, lse (Z, H, Nq).  Replayed as flash_attn_fwd is."""
+    d, lse (Z, H, Nq).  Planned and replayed as flash_attn_fwd is."""
     # lse in the key too: the op's caller may pass any lse (an eager backward's is the forward's fresh output)
-    return _backward(q, k, v, o, lse, do, is_causal, key=_replay_key("bwd op", is_causal, (q, k, v, o, lse, do)))
+    key = _replay_key("bwd op", is_causal, (q, k, v, o, lse, do), options)
+    return _backward(q, k, v, o, lse, do, is_causal, key=key, options=options)
 
 
-def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal):
+def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal, options=""):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # Registered as a `torch.library.Library` fragment (schema, a kernel per device type, a fake kernel), not
 # with `torch.library.custom_op`: a compiled graph calls these ops on every attention call, and custom_op's
 # Python wrappers (an autograd kernel, an aliasing check of the outputs) added ~11 µs a call at the 2.7B
-# shape, a third of the forward op's host time (docs/flash-attention.md, Section 13).  The ops are internal
-# and not differentiable themselves (no autograd kernel): they run inside `FlashAttentionTriton`, whose
-# backward calls flash_attn_bwd and refuses double backward, and compiled graphs call them with grad off.
+# shape, a third of the forward op's host time (docs/flash-attention-experiments.md, Section 13).  The ops are
+# internal and not differentiable themselves (no autograd kernel): they run inside `FlashAttentionTriton`,
+# whose backward calls flash_attn_bwd and refuses double backward, and compiled graphs call them with grad off.
 # Outputs are fresh tensors (no aliasing, no mutation), as the schemas say; pt2_compliant_tag, as custom_op
 # sets, lets them run under dynamo's only_allow_pt2_compliant_ops.  CPU: the interpreter's tensors.
 # The module registers them once per process: loading its file a second time under another name fails.
 _LIBRARY = torch.library.Library("cs336", "FRAGMENT")
-_LIBRARY.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
+_LIBRARY.define('flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, str options="") -> (Tensor, Tensor)',
                 tags=(torch.Tag.pt2_compliant_tag,))
-_LIBRARY.define("flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal)"
-                " -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.define("flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal, "
+                'str options="") -> (Tensor, Tensor, Tensor)', tags=(torch.Tag.pt2_compliant_tag,))
 for _dispatch_key in ("CUDA", "CPU"):
     _LIBRARY.impl("flash_attn_fwd", flash_attn_fwd, _dispatch_key)
     _LIBRARY.impl("flash_attn_bwd", flash_attn_bwd, _dispatch_key)
@@ -323,72 +346,36 @@ torch.library.register_fake("cs336::flash_attn_fwd", _flash_attn_fwd_fake, lib=_
 torch.library.register_fake("cs336::flash_attn_bwd", _flash_attn_bwd_fake, lib=_LIBRARY)
 
 
-# The same two operators for problems whose tile configurations stream K and V with pointer loads (no TMA
-# descriptor): `triton_op`s launching through `wrap_triton`, which inductor traces into its own graph and
-# launches with its generated launcher, as it launches its own kernels: no custom-op dispatch and no Triton
-# JIT argument binding per call at run time (the host cost that dominates short sequences, e.g. the
-# models at context 512).  Shapes, strides and configurations are fixed when the graph is traced.
+# What a traced call (torch.compile, AOTAutograd, a dispatch mode) runs: `torch.library.triton_op`s whose
+# bodies run as plain Python when the graph is traced (dynamo does not trace into them: sizes that are
+# symbolic there are `torch.SymInt`s the plan can see).  Each asks the plan (`_plan`, traced=True):
+#   * "triton_op": the portable kernels with pointer loads, launched through `wrap_triton`, which inductor
+#     traces into its own graph and launches with its generated launcher, as it launches its own kernels: no
+#     custom-op dispatch and no Triton JIT argument binding per call at run time (the host cost that dominates
+#     short sequences, e.g. the models at context 512); shapes, strides and configurations fixed at tracing;
+#   * "custom_op": the opaque ops above, which plan on each call's concrete sizes and launch the eager path's
+#     kernels, Gluon ones and TMA descriptors included (torch 2.11 cannot trace host-side descriptors inside
+#     a triton_op): where a Gluon kernel runs, the portable configuration wants descriptors, the interpreter
+#     runs the kernels, or the sizes are symbolic (dynamic shapes: one graph serves every size, and each call
+#     still gets the kernels an eager call of its size gets; the price is the custom op's host dispatch).
 @torch.library.triton_op("cs336::flash_attn_fwd_inductor", mutates_args=())
-def flash_attn_fwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_fwd with pointer loads (tma=0), launched by inductor."""
-    return _forward(q, k, v, is_causal, wrap=torch.library.wrap_triton, tma=0)
+def flash_attn_fwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                            options: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_fwd for traced calls: the portable kernels through inductor, or the custom op (see above)."""
+    if _plan(q, k, is_causal, (q, k, v), options, traced=True).traced != "triton_op":
+        return torch.ops.cs336.flash_attn_fwd(q, k, v, is_causal, options)
+    return _forward(q, k, v, is_causal, wrap=torch.library.wrap_triton, tma=0, options=options)
 
 
 @torch.library.triton_op("cs336::flash_attn_bwd_inductor", mutates_args=())
 def flash_attn_bwd_inductor(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool,
+    is_causal: bool, options: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash_attn_bwd with pointer loads (tma=0), launched by inductor."""
-    return _backward(q, k, v, o, lse, do, is_causal, wrap=torch.library.wrap_triton, tma=0)
-
-
-@torch.compiler.assume_constant_result
-def _configured_tma(bh: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype, causal: bool,
-                    device: torch.device) -> bool:
-    """Whether the forward's or dQ's tile configuration for this shape streams K/V through TMA descriptors
-    on this device (then the traced path keeps the custom ops, which can pass descriptors): never where
-    `flash_launch.tma_enabled` says no (pre-Hopper GPUs, ``CS336_FLASH_TMA=0``).  A constant to dynamo: it
-    depends only on the static shape, the device, the environment and the configuration tables."""
-    if not launch.tma_enabled(device):
-        return False
-    cfg = select(bh, n_queries, n_keys, d, dtype, causal, device)
-    # a kernel whose head dim runs split takes pointer loads
-    capability = launch.capability_major(device) if device.type == "cuda" else None
-    return any(cfg[kernel].tma and not d_tiles(d, dtype, kernel, capability)[1] for kernel in ("fwd", "dq"))
-
-
-@torch.compiler.assume_constant_result
-def _gluon_chosen(z: int, heads: int, kv_heads: int, n_queries: int, n_keys: int, d: int, dtype: torch.dtype,
-                  device: torch.device, is_causal: bool) -> bool:
-    """Whether a call of these sizes would run one of the Hopper (Gluon) kernels (their modules' `fits`; the
-    per-tensor layout rules are checked again when the custom op runs).  A constant to dynamo, like
-    `_configured_tma`."""
-    if hopper is None:
-        return False
-    sizes = (z, heads, kv_heads, n_queries, n_keys, d, dtype, device)
-    return (hopper.fits(*sizes) or dq_hopper.fits(*sizes, is_causal) or dkdv_hopper.fits(*sizes)
-            or bwd_hopper.fits(*sizes, is_causal))
-
-
-def _inductor_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether a traced call takes the `triton_op`s: compiled kernels (not the interpreter's, which
-    `wrap_triton` cannot take), no TMA descriptor wanted (the configured mode is 0, or K / V are strided
-    views that descriptors cannot cover) and no Gluon kernel wanted.  The `triton_op`s launch the portable
-    kernels only (inductor cannot trace a Gluon kernel, whose launch takes host-side descriptors); the
-    custom ops run the same kernels as an eager call, Gluon ones included, at the price of the custom-op
-    dispatch on the host (their launches replayed, as eager calls' are).  The Gluon kernels' size rules keep
-    the models' short sequences (N 512-1024) on the `triton_op`s at d 64 and 128; at d 80 and 96 the Gluon
-    dK/dV takes N 512 (the 2.7B model), whose calls keep the custom ops."""
-    if KERNELS_INTERPRETED:
-        return False
-    n_queries, d = q.shape[-2:]
-    if hopper is not None and all(hopper.strides_ok(t) for t in (q, k, v)) and _gluon_chosen(
-            q.shape[0], q.shape[1], k.shape[1], n_queries, k.shape[-2], d, q.dtype, q.device, is_causal):
-        return False
-    wants_tma = _configured_tma(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device)
-    return not (wants_tma and k.is_contiguous() and v.is_contiguous())
+    """flash_attn_bwd for traced calls, chosen as flash_attn_fwd_inductor chooses."""
+    if _plan(q, k, is_causal, (q, k, v, o, do), options, traced=True).traced != "triton_op":
+        return torch.ops.cs336.flash_attn_bwd(q, k, v, o, lse, do, is_causal, options)
+    return _backward(q, k, v, o, lse, do, is_causal, wrap=torch.library.wrap_triton, tma=0, options=options)
 
 
 def _eager(t: torch.Tensor) -> bool:
@@ -451,33 +438,40 @@ def _other_autodiff() -> bool:
     return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
-def _forward_call(q, k, v, is_causal, eager: bool):
+def _forward_call(q, k, v, is_causal, eager: bool, options: str = ""):
     """One forward call, the Function's and the registry entry's: (o like q, L (q.shape[:-1]), replay key,
-    empty, inductor).  An eager call (`_eager`) whose signature was seen before skips validation (it passed
-    when it was recorded) and launches directly, replayed or recorded; a traced call takes the registered ops
-    (`_inductor_path`).  ``empty``: no queries or an empty batch, an empty output and no launch."""
-    key = _replay_key("fwd", is_causal, (q, k, v)) if eager else None
+    empty).  An eager call (`_eager`) whose signature was seen before skips validation (it passed when it was
+    recorded) and launches directly, replayed or recorded; a traced call takes the registered ops, which
+    plan its kernels (`flash_attn_fwd_inductor`).  ``empty``: no queries or an empty batch, an empty output
+    and no launch."""
+    key = _replay_key("fwd", is_causal, (q, k, v), options) if eager else None
     empty = False if key is not None and key in _recorded else _validate(q, k, v, is_causal)
     if empty:
-        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), key, True, False
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), key, True
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    inductor = False
     if eager:
-        o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key)
-    elif _inductor_path(q4, k4, v4, is_causal):
-        inductor = True
-        o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal)
+        o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key, options=options)
     else:
-        o, lse = torch.ops.cs336.flash_attn_fwd(q4, k4, v4, is_causal)
+        o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal, options)
     if q.dim() != 4:
         o = o.reshape(q.shape)  # a view unless q had more than 4 dims that do not merge
         lse = lse.view(q.shape[:-1])
-    return o, lse, key, False, inductor
+    return o, lse, key, False
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """``FlashAttentionTriton.apply(q, k, v, is_causal)`` (shapes in the module docstring): the registry's
-    "flash-triton" entry.
+def _options_text(options: FlashOptions | None) -> str:
+    if options is None:
+        return ""
+    if not isinstance(options, FlashOptions):
+        raise ValueError(f"options must be a FlashOptions or None; got {options!r}")
+    return options.text()
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                    options: FlashOptions | None = None) -> torch.Tensor:
+    """``FlashAttentionTriton.apply(q, k, v, is_causal, options.text())`` (shapes in the module docstring): the
+    registry's "flash-triton" entry.  ``options``: explicit kernel choices (`plan.FlashOptions`; the
+    environment's ``CS336_FLASH_*`` switches override them, for debugging).
 
     An eager call that records no autograd graph (grad mode off, or no input that requires grad: a forward
     under ``torch.no_grad()``, as in inference and the forward benchmarks) skips the autograd.Function, whose
@@ -486,17 +480,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     the Function's (`_forward_call`).  A call that records a graph, a traced call, a tensor subclass, an open
     forward-mode dual level or a functorch transform goes through the Function.
     """
+    text = "" if options is None else _options_text(options)
     if (type(k) is torch.Tensor and type(v) is torch.Tensor and _eager(q) and not _other_autodiff()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        return _forward_call(q, k, v, is_causal, True)[0]
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
+        return _forward_call(q, k, v, is_causal, True, text)[0]
+    return FlashAttentionTriton.apply(q, k, v, is_causal, text)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
+    """apply(q, k, v, is_causal=False, options="") -> o; ``options``: `FlashOptions.text` ("" for defaults)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        o, lse, ctx.key, ctx.empty, ctx.inductor = _forward_call(q, k, v, is_causal, _eager(q))
+    def forward(ctx, q, k, v, is_causal=False, options=""):
+        o, lse, ctx.key, ctx.empty = _forward_call(q, k, v, is_causal, _eager(q), options)
         ctx.is_causal = is_causal
+        ctx.options = options
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
@@ -504,7 +502,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
         if ctx.empty:  # no query saw any key: dQ is empty, dK and dV are zero
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
         q4 = _as_4d(q)
         lse4 = lse if lse.dim() == 3 else lse.reshape(q4.shape[:-1])
         args = (q4, _as_4d(k), _as_4d(v), _as_4d(o), lse4, _as_4d(grad_out), ctx.is_causal)
@@ -518,16 +516,15 @@ class FlashAttentionTriton(torch.autograd.Function):
                 "and its gradients would not be differentiable; use the 'naive' attention for "
                 "higher-order gradients")
         if _eager(grad_out):
-            key = None if ctx.key is None else _replay_key("bwd", ctx.is_causal, args[:4] + args[5:6])
-            dq, dk, dv = _backward(*args, key=key)
-        elif ctx.inductor:
-            dq, dk, dv = torch.ops.cs336.flash_attn_bwd_inductor(*args)
+            key = None if ctx.key is None else _replay_key("bwd", ctx.is_causal, args[:4] + args[5:6], ctx.options)
+            dq, dk, dv = _backward(*args, key=key, options=ctx.options)
         else:
-            dq, dk, dv = torch.ops.cs336.flash_attn_bwd(*args)
+            dq, dk, dv = torch.ops.cs336.flash_attn_bwd_inductor(*args, ctx.options)
         if q.dim() == 4:  # (the reshapes would return views of the same shape: ~2 us each)
-            return dq, dk, dv, None
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
+            return dq, dk, dv, None, None
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None, None
 
 
-def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
+def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                           options: FlashOptions | None = None) -> torch.Tensor:
+    return FlashAttentionTriton.apply(q, k, v, is_causal, _options_text(options))

@@ -17,11 +17,12 @@ higher than against the datasheet).
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 
 import torch
+
+from cs336_systems import switches as _switches
 
 # (substring of torch.cuda.get_device_name(), {precision: dense TFLOP/s}); first match wins.
 _PEAKS: list[tuple[str, dict[str, float]]] = [
@@ -88,13 +89,14 @@ def machine_facts() -> dict[str, object]:
     return facts
 
 
-SWITCH_PREFIX = "CS336_"
+SWITCH_PREFIX = _switches.PREFIX
 
 
 def switches() -> dict[str, str]:
     """The ``CS336_*`` environment variables that are set (non-empty), sorted by name: the library's own
-    switches (flash-triton's TMA / key-split / split-tile / float32-dot choices, autotuning, ...)."""
-    return {name: value for name, value in sorted(os.environ.items()) if name.startswith(SWITCH_PREFIX) and value}
+    switches (`cs336_systems.switches.REGISTRY`: flash-triton's kernel choices, TMA, key splits, split
+    tiles, float32 dots, autotuning, ...), and any unregistered ``CS336_*`` name, so that a typo shows."""
+    return _switches.active()
 
 
 def default_profile() -> str:

@@ -6,6 +6,10 @@ the interpreter's fixed 32 x 32.  On the GPU, every configuration committed in `
 """
 
 import json
+import os
+import re
+import socket
+import stat
 
 import pytest
 import torch
@@ -214,7 +218,7 @@ def test_fp32_arithmetic_is_tf32x3_unless_ieee_is_asked_for(monkeypatch):
     assert flash_launch.precision(torch.float32) == "ieee" and flash_configs.dtype_class(torch.float32) == "fp32ieee"
     assert flash_configs.dtype_class(torch.bfloat16) == "half"
     monkeypatch.setenv(flash_configs.FP32_DOT_ENV, "tf32")  # plain TF32 would lose fp32 accuracy: refused
-    with pytest.raises(ValueError, match=r"CS336_FLASH_FP32_DOT must be one of \('tf32x3', 'ieee'\), got 'tf32'"):
+    with pytest.raises(ValueError, match=r"CS336_FLASH_FP32_DOT must be one of tf32x3, ieee \(or unset\), got 'tf32'"):
         flash_launch.precision(torch.float32)
 
 
@@ -405,6 +409,132 @@ def test_storing_into_a_missing_empty_or_readable_cache_writes_it(tmp_cache, con
     assert mine.text() in saved and (content != _a_readable_cache() or len(saved) == 2)
     assert not tmp_cache.with_name(tmp_cache.name + ".new").exists()
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _real_replace_refusing_special_files(monkeypatch):
+    """os.replace that fails the test instead of replacing a non-regular file: if the code under test ever
+    regressed, a test run as root would otherwise swap the machine's /dev/null for a regular file."""
+    real = os.replace
+
+    def guarded(src, dst, *args, **kwargs):
+        if os.path.exists(dst) and not stat.S_ISREG(os.stat(dst).st_mode):
+            raise AssertionError(f"os.replace onto {dst}, which is not a regular file")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", guarded)
+
+
+def test_a_character_device_is_neither_read_nor_replaced(monkeypatch):
+    """CS336_FLASH_CACHE=/dev/null used to read as an empty cache and be replaced by a regular file."""
+    _real_replace_refusing_special_files(monkeypatch)
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    monkeypatch.setenv(flash_autotune.CACHE_ENV, "/dev/null")
+    flash_autotune.clear_memo()
+    before = os.stat("/dev/null")
+    lock_existed = os.path.exists("/dev/null.lock")
+    try:
+        message = r"CS336_FLASH_CACHE=/dev/null is a character device, not a regular file: it is neither read"
+        with pytest.raises(flash_autotune.CacheFileError, match=message):
+            flash_autotune.select(1, 64, 64, 16, torch.float32, False, torch.device("cpu"))
+        with pytest.raises(flash_autotune.CacheFileError, match=message):
+            _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    finally:
+        flash_autotune.clear_memo()
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    assert os.path.exists("/dev/null.lock") == lock_existed  # nothing created beside it either
+
+
+def _make_special(path, kind):
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))  # the socket file stays after the socket is closed
+        server.close()
+
+
+@pytest.mark.timeout(60)  # reading a FIFO that no one writes would block: fail, do not hang the run
+@pytest.mark.parametrize("through_link", [False, True])
+@pytest.mark.parametrize("kind, described", [("fifo", r"a FIFO \(named pipe\)"), ("directory", "a directory"),
+                                              ("socket", "a socket")], ids=["fifo", "directory", "socket"])
+def test_special_files_are_neither_read_nor_replaced(tmp_cache, monkeypatch, kind, described, through_link):
+    if not hasattr(os, "mkfifo") or not hasattr(socket, "AF_UNIX"):
+        pytest.skip("needs POSIX FIFOs and sockets")
+    _real_replace_refusing_special_files(monkeypatch)
+    monkeypatch.setattr(flash_autotune, "interpreter_active", lambda: False)
+    special = tmp_cache.with_name("special") if through_link else tmp_cache
+    _make_special(special, kind)
+    if through_link:
+        tmp_cache.symlink_to(special)
+    link = rf" \(a link to {re.escape(str(special))}\)" if through_link else ""
+    message = rf"CS336_FLASH_CACHE={re.escape(str(tmp_cache))}{link} is {described}, not a regular file"
+    with pytest.raises(flash_autotune.CacheFileError, match=message):
+        flash_autotune.select(1, 64, 64, 16, torch.float32, False, torch.device("cpu"))
+    with pytest.raises(flash_autotune.CacheFileError, match=message):
+        _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    assert {kind: os.path.isdir, "fifo": lambda p: stat.S_ISFIFO(os.stat(p).st_mode),
+            "socket": lambda p: stat.S_ISSOCK(os.stat(p).st_mode)}[kind](special)
+    assert tmp_cache.is_symlink() == through_link
+    left = {"special", tmp_cache.name} if through_link else {tmp_cache.name}
+    assert {p.name for p in tmp_cache.parent.iterdir()} == left  # no lock, no .new, no temporary file
+    if kind == "directory":
+        assert not any(special.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_a_special_file_beside_an_unreadable_cache_is_skipped_unopened(tmp_cache):
+    """The .new files are candidates too: a FIFO there is passed over, not read (which would block)."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs POSIX FIFOs")
+    tmp_cache.write_text("{not json")
+    os.mkfifo(tmp_cache.with_name(tmp_cache.name + ".new"))
+    with pytest.warns(RuntimeWarning, match=r"saved to .*flash-autotune\.json\.new\.1"):
+        _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    assert stat.S_ISFIFO(os.stat(tmp_cache.with_name(tmp_cache.name + ".new")).st_mode)
+    assert tmp_cache.read_text() == "{not json"
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_cache_is_written_through_the_link(tmp_cache, dangling):
+    """The file the link points to (in another directory) is replaced; the link stays a link to it."""
+    elsewhere = tmp_cache.parent / "elsewhere"
+    elsewhere.mkdir()
+    real = elsewhere / "real.json"
+    if not dangling:
+        real.write_text(_a_readable_cache())
+    tmp_cache.symlink_to(os.path.relpath(real, tmp_cache.parent))
+    mine = ShapeKey.of(1, 64, 64, 16, torch.float32, False)
+    _store(mine)
+    assert tmp_cache.is_symlink() and os.readlink(tmp_cache) == os.path.relpath(real, tmp_cache.parent)
+    saved = json.loads(real.read_text())[flash_autotune.device_id(torch.device("cpu"))]
+    assert set(saved) == {mine.text()} | (set() if dangling else {ShapeKey.of(1, 4096, 4096, 64, torch.float16, True).text()})
+    # the temporary file went beside the target (so os.replace was atomic) and is gone; the lock is there too
+    assert {p.name for p in elsewhere.iterdir()} == {"real.json", "real.json.lock"}
+    assert {p.name for p in tmp_cache.parent.iterdir()} == {tmp_cache.name, "elsewhere"}
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o664], ids=oct)
+@pytest.mark.parametrize("through_link", [False, True])
+def test_rewriting_keeps_the_cache_files_permission_bits(tmp_cache, mode, through_link):
+    real = tmp_cache.with_name("real.json") if through_link else tmp_cache
+    real.write_text(_a_readable_cache())
+    real.chmod(mode)
+    if through_link:
+        tmp_cache.symlink_to(real)
+    _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    assert len(json.loads(real.read_text())[flash_autotune.device_id(torch.device("cpu"))]) == 2  # rewritten
+    assert stat.S_IMODE(real.stat().st_mode) == mode
+
+
+def test_a_new_cache_file_gets_the_usual_permissions(tmp_cache):
+    """A file the cache creates has the umask's bits (as any new file), not the private temporary file's."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    _store(ShapeKey.of(1, 64, 64, 16, torch.float32, False))
+    assert stat.S_IMODE(tmp_cache.stat().st_mode) == 0o666 & ~umask
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", " 1", "on"])

@@ -1,8 +1,9 @@
-"""The Gluon Hopper kernels (flash_fwd_hopper, flash_dkdv_hopper): where they are chosen, and on an sm_90 GPU
-O, L, dQ, dK and dV against float64 with the Hopper kernels in the path.
+"""The Gluon Hopper kernels (flash_fwd_hopper[_ws], flash_dq_hopper, flash_dkdv_hopper, flash_bwd_hopper): their
+tiles, that flash_triton launches what the plan chose, and on an sm_90 GPU O, L, dQ, dK and dV against float64
+with the Hopper kernels in the path.  Where each kernel is chosen: tests/attention/test_plan.py.
 
-The kernel itself compiles only for sm_90 (no interpreter), so on CPU these tests check the selection rules
-and the dispatch; the GPU tests run on Hopper and skip elsewhere with the reason."""
+The kernels compile only for sm_90 (no interpreter), so on CPU these tests check the tiles and the dispatch;
+the GPU tests run on Hopper and skip elsewhere with the reason."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
 from cs336_systems.attention.kernels import flash_launch
+from cs336_systems.attention.plan import GLUON_TRITON_VERSIONS, FlashOptions, Plan
 
 # The Gluon API is experimental: a Triton release without these names skips this file (flash_triton then
 # runs the portable kernels only).
@@ -23,124 +25,6 @@ ws_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hoppe
 fused_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_bwd_hopper")
 
 CUDA = torch.device("cuda")
-
-
-def _pretend_capability(monkeypatch, major):
-    """The (cached) capability lookup every call makes answers `major` for any CUDA device."""
-    monkeypatch.setattr(flash_launch, "_capability_major", lambda index: major)
-    monkeypatch.setattr(flash_launch.torch.cuda, "current_device", lambda: 0)
-
-
-@pytest.fixture
-def hopper_machine(monkeypatch):
-    """Pretend to be an sm_90 device with the Triton release the Gluon code is written against."""
-    _pretend_capability(monkeypatch, 9)
-    monkeypatch.setattr(hopper.triton, "__version__", "3.6.0")
-    monkeypatch.delenv(hopper.ENV, raising=False)
-    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
-    monkeypatch.delenv(fused_hopper.ENV, raising=False)
-
-
-def test_wanted_by_default_at_the_measured_head_dims_only(hopper_machine):
-    assert hopper.wanted(128, torch.bfloat16, CUDA) and hopper.wanted(128, torch.float16, CUDA)
-    assert hopper.wanted(256, torch.bfloat16, CUDA)
-    assert not hopper.wanted(64, torch.bfloat16, CUDA)  # slower than the portable kernel there
-    assert not hopper.wanted(128, torch.float32, CUDA)
-    assert not hopper.wanted(128, torch.bfloat16, torch.device("cpu"))
-    assert hopper.wanted(80, torch.bfloat16, CUDA) and hopper.wanted(96, torch.bfloat16, CUDA)  # 128-wide tiles
-    assert not hopper.wanted(112, torch.bfloat16, CUDA) and not hopper.wanted(48, torch.bfloat16, CUDA)
-
-
-def test_environment_switches_it_off_or_on_for_every_supported_head_dim(hopper_machine, monkeypatch):
-    monkeypatch.setenv(hopper.ENV, "0")
-    assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    monkeypatch.setenv(hopper.ENV, "1")
-    assert all(hopper.wanted(d, torch.bfloat16, CUDA) for d in hopper.HEAD_DIMS)
-    assert not hopper.wanted(112, torch.bfloat16, CUDA)
-
-
-def test_not_wanted_off_hopper_or_on_other_triton_releases(hopper_machine, monkeypatch):
-    _pretend_capability(monkeypatch, 8)
-    assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    _pretend_capability(monkeypatch, 10)
-    assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    _pretend_capability(monkeypatch, 9)
-    monkeypatch.setattr(hopper.triton, "__version__", "3.9.0")
-    assert not hopper.wanted(128, torch.bfloat16, CUDA)
-
-
-def test_dkdv_kernel_has_its_own_switch(hopper_machine, monkeypatch):
-    assert dkdv_hopper.DEFAULT_HEAD_DIMS
-    assert all(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.DEFAULT_HEAD_DIMS)
-    assert not dkdv_hopper.wanted(112, torch.bfloat16, CUDA)
-    assert not dkdv_hopper.wanted(128, torch.float32, CUDA)
-    monkeypatch.setenv(hopper.ENV, "0")  # the forward's switch leaves dK/dV alone
-    assert dkdv_hopper.wanted(dkdv_hopper.DEFAULT_HEAD_DIMS[0], torch.bfloat16, CUDA)
-    monkeypatch.setenv(dkdv_hopper.ENV, "0")
-    assert not any(dkdv_hopper.wanted(d, torch.bfloat16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
-    monkeypatch.setenv(dkdv_hopper.ENV, "1")
-    assert all(dkdv_hopper.wanted(d, torch.float16, CUDA) for d in dkdv_hopper.HEAD_DIMS)
-
-
-def test_dkdv_takes_the_hopper_kernel_only_where_it_measured_faster(monkeypatch):
-    """Defaults: no grouped K/V heads, at least MIN_QUERIES queries and two programs per SM; elsewhere the
-    portable kernel (smaller key blocks, groups spread over programs), unless the environment forces it."""
-    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
-    block_n = dkdv_hopper.tiles(128)[0]
-
-    def qkv(hq, hkv, n, z=1):
-        q = torch.empty(z, hq, n, 128, dtype=torch.bfloat16)
-        k = torch.empty(z, hkv, n, 128, dtype=torch.bfloat16)
-        return q, k, k, q
-
-    assert dkdv_hopper.usable(*qkv(16, 16, 2048, z=4))  # 2048 programs
-    assert not dkdv_hopper.usable(*qkv(25, 25, 512, z=4))  # 800 programs, but a short sequence
-    assert dkdv_hopper.usable(*qkv(1, 1, 32768))  # 512 programs
-    assert not dkdv_hopper.usable(*qkv(1, 1, 16384))  # 256 programs: fewer than 2 per SM
-    assert dkdv_hopper.usable(*qkv(2, 2, 16384))  # 512 programs
-    assert not dkdv_hopper.usable(*qkv(2, 2, 128 * block_n))  # 256 programs
-    assert not dkdv_hopper.usable(*qkv(32, 8, 16384))  # grouped heads: not measured, portable
-    monkeypatch.setenv(dkdv_hopper.ENV, "1")
-    assert dkdv_hopper.usable(*qkv(32, 1, 8192)) and dkdv_hopper.usable(*qkv(1, 1, 64))
-
-
-def test_fused_backward_takes_its_measured_territory(hopper_machine, monkeypatch):
-    """The fused backward: head dims 64 and 128 (DEFAULT_HEAD_DIMS by default), bfloat16 / float16 on
-    sm_90; by default causal from MIN_QUERIES queries with MIN_PROGRAMS_PER_SM programs of 128 keys (of one
-    K/V head) per SM, and without the mask from NONCAUSAL_MIN_QUERIES queries without grouped heads; the
-    environment forces it on at any size or off, and switching the Gluon backward kernels off switches it
-    off too."""
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    n = fused_hopper.MIN_QUERIES[64]
-    per_sm = 132 * fused_hopper.MIN_PROGRAMS_PER_SM * fused_hopper.BLOCK_N
-
-    def fits(z, hq, hkv, n, d=64, dtype=torch.bfloat16, causal=True):
-        return fused_hopper.fits(z, hq, hkv, n, n, d, dtype, CUDA, causal)
-
-    assert fits(1, 16, 16, 16384) and fits(4, 16, 16, n) and fits(1, 16, 16, n, dtype=torch.float16)
-    assert not fits(4, 16, 16, n // 2)  # shorter rows: the two-kernel backward
-    assert fits(1, 32, 8, 16384) and not fits(1, 32, 1, 8192)  # grouped heads: programs per K/V head
-    m = fused_hopper.NONCAUSAL_MIN_QUERIES[64]
-    assert fits(1, 8, 8, m, causal=False) and not fits(1, 8, 8, m - 1, causal=False)  # no program count
-    assert not fits(1, 32, 8, 16384, causal=False)  # grouped heads without the mask: not measured
-    assert all(fits(1, 16, 16, 16384, d=d) == (d in fused_hopper.DEFAULT_HEAD_DIMS) for d in (64, 80, 128, 256))
-    n128 = fused_hopper.MIN_QUERIES[128]  # d 128: shorter rows
-    assert fits(4, 25, 25, n128, d=128) and not fits(4, 25, 25, n128 // 2, d=128)
-    m128 = fused_hopper.NONCAUSAL_MIN_QUERIES[128]
-    assert fits(1, 8, 8, m128, d=128, causal=False) and not fits(1, 8, 8, m128 - 1, d=128, causal=False)
-    assert not fits(1, 16, 16, 16384, dtype=torch.float32)
-    assert fits(1, 1, 1, max(n, per_sm)) and not fits(1, 1, 1, max(n, per_sm) - fused_hopper.BLOCK_N)
-    monkeypatch.setenv(fused_hopper.ENV, "1")
-    assert fits(4, 25, 25, 512) and fits(1, 32, 1, 100) and fits(1, 2, 2, 64, causal=False)
-    assert fits(1, 8, 8, 64, d=128) and not fits(1, 8, 8, 4096, d=96)
-    monkeypatch.setenv(fused_hopper.ENV, "0")
-    assert not fits(1, 16, 16, 16384)
-    monkeypatch.delenv(fused_hopper.ENV)
-    monkeypatch.setenv(dkdv_hopper.ENV, "0")
-    assert not fits(1, 16, 16, 16384)
 
 
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
@@ -161,89 +45,62 @@ def test_fused_backward_prep_and_post_kernels_match_torch():
     assert torch.equal(dq, (dqa * 0.125).half())
 
 
-def test_dkdv_at_padded_head_dims_starts_at_the_models_context(monkeypatch):
-    """d 80 and 96 (a padded 128-wide tile in either kernel) take the Hopper dK/dV from PADDED_MIN_QUERIES
-    queries (the 2.7B model's N 512), with the other rules unchanged; d 64 and 128 keep MIN_QUERIES."""
-    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
-    assert dkdv_hopper.PADDED_MIN_QUERIES == 512 < dkdv_hopper.MIN_QUERIES
-
-    def qkv(hq, hkv, n, d, z=4):
-        q = torch.empty(z, hq, n, d, dtype=torch.bfloat16)
-        k = torch.empty(z, hkv, n, d, dtype=torch.bfloat16)
-        return q, k, k, q
-
-    for d in (80, 96):
-        assert dkdv_hopper.usable(*qkv(32, 32, 512, d))  # the 2.7B model: 1024 programs
-        assert not dkdv_hopper.usable(*qkv(32, 32, 511, d))
-        assert not dkdv_hopper.usable(*qkv(32, 8, 512, d))  # grouped heads
-        assert not dkdv_hopper.usable(*qkv(1, 1, 512, d, z=32))  # 256 programs: fewer than 2 per SM
-    for d in (64, 128):
-        assert not dkdv_hopper.usable(*qkv(32, 32, 512, d))
-        assert dkdv_hopper.usable(*qkv(32, 32, 2048, d))
+def _planned(forward="portable", backward="two-kernel", dq="portable", dkdv="portable"):
+    return Plan(forward, backward, "-" if backward == "fused" else dq, "-" if backward == "fused" else dkdv, "eager")
 
 
-def test_dkdv_at_d256_splits_dk_and_dv_and_needs_no_program_count(monkeypatch):
-    """d 256 runs two programs per key block (dV, dK) and, one program per SM either way, measured faster at
-    every size from N 2048: no programs-per-SM rule there, the other rules as at d 128."""
-    monkeypatch.setattr(dkdv_hopper, "wanted", lambda *args: True)
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(dkdv_hopper.ENV, raising=False)
-    assert [dkdv_hopper.parts(d) for d in (64, 128, 256)] == [1, 1, 2]
+def test_forward_launches_the_kernel_the_plan_chose(monkeypatch):
+    """flash_triton._forward hands eager problems to the Gluon kernel the plan names (nothing else launched),
+    the others, and every launch through inductor's wrapper, to the portable one."""
+    calls = []
+    monkeypatch.setattr(hopper, "forward", lambda *args: calls.append("hopper"))
+    monkeypatch.setattr(ws_hopper, "forward", lambda *args: calls.append("hopper-ws"))
+    monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
+    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
+    chosen = {"plan": _planned("hopper-ws")}
+    monkeypatch.setattr(flash_triton, "_plan", lambda *args, **kwargs: chosen["plan"])
+    q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
+    o, lse = flash_triton._forward(q, q, q, True)
+    assert calls == ["hopper-ws"] and o.shape == q.shape and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+    flash_triton._forward(q, q, q, True, wrap=torch.library.wrap_triton, tma=0)  # inductor's launch: portable
+    chosen["plan"] = _planned("hopper")
+    flash_triton._forward(q, q, q, True)
+    chosen["plan"] = _planned()
+    flash_triton._forward(q, q, q, True)
+    assert calls == ["hopper-ws", "portable", "hopper", "portable"]
 
-    def qkv(hq, hkv, n, d=256):
-        q = torch.empty(1, hq, n, d, dtype=torch.bfloat16)
-        k = torch.empty(1, hkv, n, d, dtype=torch.bfloat16)
-        return q, k, k, q
 
-    assert dkdv_hopper.usable(*qkv(1, 1, 4096))  # 64 key blocks: 128 programs
-    assert not dkdv_hopper.usable(*qkv(1, 1, 4096, d=128))  # the d 128 rule: too few programs
-    assert not dkdv_hopper.usable(*qkv(1, 1, 1024))  # shorter than measured
-    assert not dkdv_hopper.usable(*qkv(8, 2, 8192))  # grouped heads
+def test_backward_launches_the_kernels_the_plan_chose(monkeypatch):
+    """dQ (which also computes delta) runs first, then dK/dV, each on the kernel the plan names, never a Gluon
+    one through inductor's wrapper; the fused pass replaces both, with a float32 dQ accumulator like q."""
+    calls, accumulators, asked = [], [], []
+    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("portable dq"))
+    monkeypatch.setattr(flash_triton.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
+    monkeypatch.setattr(dq_hopper, "dq", lambda *args: calls.append("hopper dq"))
+    monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
+    monkeypatch.setattr(fused_hopper, "backward", lambda *args: calls.append("fused") or accumulators.append(args[7]))
+    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
+    chosen = {"plan": _planned(dq="hopper", dkdv="hopper")}
 
+    def fake_plan(q, k, is_causal, tensors, options, traced=False):
+        asked.append((is_causal, len(tensors), options))
+        return chosen["plan"]
 
-def test_forward_takes_the_hopper_kernel_only_at_long_rows_and_a_program_per_sm(monkeypatch):
-    monkeypatch.setattr(hopper, "wanted", lambda *args: True)
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.delenv(hopper.ENV, raising=False)
-
-    def qkv(bh, nq, nk):
-        q = torch.empty(1, bh, nq, 128, dtype=torch.bfloat16)
-        k = torch.empty(1, bh, nk, 128, dtype=torch.bfloat16)
-        return q, k, k
-
-    assert hopper.usable(*qkv(8, 16384, 16384))  # 1024 programs
-    assert hopper.usable(*qkv(1, 32768, 32768))  # 256 programs: one per SM
-    assert not hopper.usable(*qkv(1, 16384, 16384))  # 128 programs
-    # d 128 runs the warp-specialized kernel, which takes rows from WS_MIN_KEYS keys
-    assert hopper.usable(*qkv(64, 2048, 2048)) and hopper.usable(*qkv(64, 16384, 8192))
-    assert not hopper.usable(*qkv(64, 2048, 2047))
-    assert not hopper.usable(*qkv(2, 2048, 2048))  # 32 programs
-
-    def qkv256(bh, nq, nk):
-        q = torch.empty(1, bh, nq, 256, dtype=torch.bfloat16)
-        return q, torch.empty(1, bh, nk, 256, dtype=torch.bfloat16), torch.empty(1, bh, nk, 256, dtype=torch.bfloat16)
-
-    assert hopper.usable(*qkv256(8, 16384, 16384))
-    assert not hopper.usable(*qkv256(64, 2048, 2048))  # enough programs, rows too short (MIN_KEYS)
-    assert not hopper.usable(*qkv256(64, 16384, 8192))
-    # d 80 and 96 (products over d in slices) from SLICED_MIN_KEYS keys, with the same program rule
-    q80 = torch.empty(4, 16, 1024, 80, dtype=torch.bfloat16)
-    assert hopper.usable(q80, q80, q80)
-    assert hopper.usable(q80[:, :, :512], q80[:, :, :512], q80[:, :, :512])  # the 2.7B model's N 512
-    assert not hopper.usable(q80[:, :, :511], q80[:, :, :511], q80[:, :, :511])
-    # programs counted in 128-row units, as measured, though a program there owns 64 rows
-    q17, q9 = (torch.empty(1, h, 1024, 80, dtype=torch.bfloat16) for h in (17, 9))
-    assert hopper.usable(q17, q17, q17)  # 136 units of 128 rows
-    assert not hopper.usable(q9, q9, q9)  # 72 units (144 programs of 64 rows)
-    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
-    assert not hopper.usable(q80, q80, q80)  # a padded tile needs MIN_KEYS like the others
-    monkeypatch.setenv(hopper.ENV, "1")
-    assert hopper.usable(*qkv(1, 128, 128))
+    monkeypatch.setattr(flash_triton, "_plan", fake_plan)
+    q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
+    lse = torch.empty(1, 2, 16)
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    assert calls == ["hopper dq", "hopper dkdv"]
+    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
+    assert calls[2:] == ["portable dq", "portable dkdv"] and len(asked) == 1  # no plan asked for inductor
+    chosen["plan"] = _planned(dkdv="hopper")
+    flash_triton._backward(q, q, q, q, lse, q, False, options="fused_bwd=off")
+    assert calls[4:] == ["portable dq", "hopper dkdv"]
+    assert asked[-1] == (False, 5, "fused_bwd=off")  # the mask, all five tensors' layout, the options
+    chosen["plan"] = _planned(backward="fused")
+    flash_triton._backward(q, q, q, q, lse, q, True)
+    assert calls[6:] == ["fused"]
+    assert accumulators[0].dtype == torch.float32 and accumulators[0].shape == q.shape
 
 
 def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
@@ -360,29 +217,6 @@ def test_products_over_d_skip_the_padding_at_d80_and_d96_only(monkeypatch):
     assert [hopper.d_split(d) for d in (80, 96)] == [0, 0]
 
 
-def test_tma_switch_and_bad_switch_values(hopper_machine, monkeypatch):
-    monkeypatch.setenv("CS336_FLASH_TMA", "0")  # no descriptors anywhere: these kernels are TMA kernels
-    assert not hopper.wanted(128, torch.bfloat16, CUDA)
-    assert not dkdv_hopper.wanted(64, torch.bfloat16, CUDA)
-    monkeypatch.delenv("CS336_FLASH_TMA")
-    for module in (hopper, dkdv_hopper):
-        monkeypatch.setenv(module.ENV, "yes")
-        with pytest.raises(ValueError, match=f"{module.ENV} must be 0 or 1, got 'yes'"):
-            module.wanted(128, torch.bfloat16, CUDA)
-        monkeypatch.delenv(module.ENV)
-
-
-def test_tma_alignment_rules():
-    t = torch.empty(2, 3, 64, 128, dtype=torch.bfloat16)
-    assert hopper.aligned(t)
-    assert hopper.aligned(torch.empty(2, 64, 3, 128, dtype=torch.bfloat16).transpose(1, 2))  # token-major view
-    assert not hopper.aligned(t[..., 1:])  # base 2 bytes off, and a 127-wide row
-    assert not hopper.aligned(torch.empty(2, 3, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
-    assert not hopper.aligned(t.transpose(-1, -2))  # d not the unit-stride dim
-    assert not hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(2, 3, 64, 128))  # broadcast
-    assert hopper.aligned(torch.empty(1, 3, 64, 128, dtype=torch.bfloat16).expand(1, 3, 64, 128))
-
-
 def test_descriptors_cover_strided_views_in_place():
     """Rank-4 boxes of (1, 1, rows, d) over the tensor's own strides (a token-major view is not copied); the
     box layout is built once per (rows, d, dtype)."""
@@ -395,206 +229,20 @@ def test_descriptors_cover_strided_views_in_place():
     assert hopper.descriptor(t.to(torch.float16), 64).layout is not desc.layout
 
 
-def test_forward_dispatches_to_the_hopper_kernel_only_where_usable(monkeypatch):
-    """flash_triton._forward hands usable eager problems to the Gluon kernel (nothing else launched) and the
-    rest, and every traced launch through inductor's wrapper, to the portable one."""
-    calls = []
-    monkeypatch.setattr(flash_triton, "_gluon_forward", lambda q, k, v, o, lse, causal, wrap: calls.append("hopper"))
-    monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
-    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
-    q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
-    usable = {"yes": True}
-    monkeypatch.setattr(hopper, "usable", lambda q, k, v: usable["yes"])
-    o, lse = flash_triton._forward(q, q, q, True)
-    assert calls == ["hopper"] and o.shape == q.shape and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
-    flash_triton._forward(q, q, q, True, wrap=torch.library.wrap_triton, tma=0)  # inductor's launch: portable
-    usable["yes"] = False
-    flash_triton._forward(q, q, q, True)
-    assert calls == ["hopper", "portable", "portable"]
-
-
-def test_backward_dispatches_each_kernel_to_the_hopper_one_only_where_usable(monkeypatch):
-    """dQ (which also computes delta) runs first, then dK/dV; each goes to its Gluon kernel where that one is
-    usable, and never through inductor's wrapper."""
-    calls = []
-    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("portable dq"))
-    monkeypatch.setattr(flash_triton.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
-    monkeypatch.setattr(dq_hopper, "dq", lambda *args: calls.append("hopper dq"))
-    monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
-    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
-    usable = {"dq": True, "dkdv": True}
-    causal_seen = []
-
-    def dq_usable(q, k, v, o, do, causal):
-        causal_seen.append(causal)
-        return usable["dq"]
-
-    monkeypatch.setattr(dq_hopper, "usable", dq_usable)
-    monkeypatch.setattr(dkdv_hopper, "usable", lambda q, k, v, do: usable["dkdv"])
-    q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
-    lse = torch.empty(1, 2, 16)
-    flash_triton._backward(q, q, q, q, lse, q, True)
-    assert calls == ["hopper dq", "hopper dkdv"]
-    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
-    assert calls[2:] == ["portable dq", "portable dkdv"]
-    usable["dq"] = False
-    flash_triton._backward(q, q, q, q, lse, q, True)
-    usable["dq"], usable["dkdv"] = True, False
-    flash_triton._backward(q, q, q, q, lse, q, True)
-    assert calls[4:] == ["portable dq", "hopper dkdv", "hopper dq", "portable dkdv"]
-    flash_triton._backward(q, q, q, q, lse, q, False)  # the dQ rule depends on the mask: it is passed on
-    assert causal_seen[-1] is False and causal_seen[:-1] and all(causal_seen[:-1])
-    # the fused backward, where usable, replaces both kernels (eager launches only), with a float32 dQ
-    # accumulator shaped like q
-    accumulators = []
-    monkeypatch.setattr(fused_hopper, "usable", lambda q, k, v, o, do, causal: causal)
-    monkeypatch.setattr(fused_hopper, "backward",
-                        lambda *args: calls.append("fused") or accumulators.append(args[7]))
-    del calls[:]
-    flash_triton._backward(q, q, q, q, lse, q, True)
-    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
-    flash_triton._backward(q, q, q, q, lse, q, False)  # the rule depends on the mask: it is passed on
-    assert calls == ["fused", "portable dq", "portable dkdv", "hopper dq", "portable dkdv"]
-    assert accumulators[0].dtype == torch.float32 and accumulators[0].shape == q.shape
-
-
-def test_dq_kernel_shares_the_backward_switch_and_its_default_head_dims(hopper_machine, monkeypatch):
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    assert dq_hopper.ENV == dkdv_hopper.ENV
-    assert dq_hopper.wanted(256, torch.bfloat16, CUDA) and dq_hopper.wanted(256, torch.float16, CUDA)
-    assert dq_hopper.wanted(80, torch.bfloat16, CUDA) and dq_hopper.wanted(96, torch.float16, CUDA)
-    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)
-    assert not dq_hopper.wanted(256, torch.float32, CUDA)
-
-    def qkv(hq, hkv, n, d=256):
-        q = torch.empty(1, hq, n, d, dtype=torch.bfloat16)
-        k = torch.empty(1, hkv, n, d, dtype=torch.bfloat16)
-        return q, k, k, q, q
-
-    monkeypatch.setattr(dq_hopper, "wanted", lambda *args: True)
-    assert dq_hopper.usable(*qkv(1, 1, 2048)) and dq_hopper.usable(*qkv(8, 2, 4096))
-    assert not dq_hopper.usable(*qkv(4, 4, 1024))  # shorter than measured
-    q80 = torch.empty(4, 32, 512, 80, dtype=torch.bfloat16)  # the 2.7B model's attention: from 512 queries
-    assert dq_hopper.usable(q80, q80, q80, q80, q80)
-    assert not dq_hopper.usable(*(q80[:, :, :511],) * 5)
-    long80 = torch.empty(1, 1, 32768, 80, dtype=torch.bfloat16)  # beyond SLICED_MAX_QUERIES: not measured
-    assert dq_hopper.usable(*(long80[:, :, :16384],) * 5) and not dq_hopper.usable(*(long80,) * 5)
-    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())  # whole 128-wide tiles: slower, never by default
-    assert not dq_hopper.usable(*(long80[:, :, :4096],) * 5)
-    broadcast = torch.empty(1, 1, 4096, 256, dtype=torch.bfloat16).expand(1, 4, 4096, 256)
-    assert not dq_hopper.usable(broadcast, broadcast, broadcast, broadcast, broadcast)
-    monkeypatch.setenv(dq_hopper.ENV, "1")
-    assert dq_hopper.usable(*qkv(1, 1, 16))
-
-
-def test_dq_kernel_takes_d128_without_the_causal_mask(hopper_machine, monkeypatch):
-    """Not causal at d 128 (NONCAUSAL_HEAD_DIMS) the Gluon dQ is the default from
-    NONCAUSAL_MIN_QUERIES queries, and not at d 64; ENV "0" still wins."""
-    assert dq_hopper.wanted(128, torch.bfloat16, CUDA, causal=False)
-    assert not dq_hopper.wanted(64, torch.bfloat16, CUDA, causal=False)
-    assert not dq_hopper.wanted(128, torch.float32, CUDA, causal=False)
-
-    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: dtype is torch.bfloat16)  # CPU tensors
-
-    def qkv(n, d=128, hq=8, hkv=2):
-        q = torch.empty(2, hq, n, d, dtype=torch.bfloat16)
-        k = torch.empty(2, hkv, n, d, dtype=torch.bfloat16)
-        return q, k, k, q, q
-
-    low = dq_hopper.NONCAUSAL_MIN_QUERIES
-    assert dq_hopper.usable(*qkv(low), causal=False) and dq_hopper.usable(*qkv(4 * low), causal=False)
-    assert not dq_hopper.usable(*qkv(low - 1), causal=False)
-    assert not dq_hopper.usable(*qkv(4 * low, d=64), causal=False)
-    assert dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA, False)
-    assert not dq_hopper.fits(2, 8, 2, low, low, 128, torch.bfloat16, CUDA)  # causal by default: its own rule
-    monkeypatch.setenv(dq_hopper.ENV, "0")
-    assert not dq_hopper.usable(*qkv(4 * low), causal=False)
-
-
-def test_dq_kernel_takes_causal_d64_and_d128_in_the_measured_range(hopper_machine, monkeypatch):
-    """Causal at d 64 and 128 the Gluon dQ is the default from CAUSAL_MIN_QUERIES to CAUSAL_MAX_QUERIES queries
-    (4096 at d 64, 8192 at d 128) with at least CAUSAL_MIN_PROGRAMS_PER_SM 64-row programs per SM (two at d 64,
-    one at d 128); grouped K/V heads count their query heads; ENV "0" still wins."""
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: True)
-    assert dq_hopper.wanted(64, torch.bfloat16, CUDA) and dq_hopper.wanted(128, torch.bfloat16, CUDA)
-    assert dq_hopper.CAUSAL_MIN_QUERIES == 2048 and dq_hopper.CAUSAL_MAX_QUERIES == {64: 4096, 128: 8192}
-
-    def fits(z, h, n, d, hkv=None):
-        return dq_hopper.fits(z, h, hkv or h, n, n, d, torch.bfloat16, CUDA, True)
-
-    assert fits(1, 16, 2048, 128) and fits(1, 16, 8192, 128) and fits(1, 32, 4096, 128, hkv=8)
-    assert not fits(1, 16, 2047, 128) and not fits(1, 16, 8193, 128) and not fits(1, 8, 16384, 128)
-    assert fits(1, 5, 2048, 128) and not fits(1, 4, 2048, 128)  # 160 and 128 programs, 132 SMs
-    assert fits(1, 16, 2048, 64) and fits(4, 16, 4096, 64) and fits(1, 8, 4096, 64)
-    assert not fits(1, 16, 4160, 64) and not fits(1, 16, 16384, 64)  # the leaderboard keeps the portable dQ
-    assert not fits(1, 8, 2048, 64) and fits(1, 9, 2048, 64)  # 256 and 288 programs: two per SM
-    assert not fits(4, 25, 512, 64)  # the xl model's calls
-    q = torch.empty(1, 16, 2048, 64, dtype=torch.bfloat16)
-    assert dq_hopper.usable(q, q, q, q, q) and not dq_hopper.usable(q, q, q, q, q, False)
-    monkeypatch.setenv(dq_hopper.ENV, "0")
-    assert not fits(1, 16, 2048, 128)
-
-
-def test_traced_calls_take_the_custom_ops_wherever_a_gluon_kernel_would_run(monkeypatch):
-    """inductor cannot launch a Gluon kernel, so a traced call whose sizes a Gluon kernel `fits` keeps the
-    custom ops (which run it), whatever the portable configuration wants; otherwise the rule is unchanged."""
-    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
-    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: False)  # the portable tiles: pointers
-    chosen = {"fwd": False, "dq": False, "dkdv": False, "fused": False}
-    dq_causal = []
-
-    def dq_fits(*sizes):
-        dq_causal.append(sizes[8])  # (z, heads, kv_heads, n_q, n_k, d, dtype, device, causal)
-        return chosen["dq"]
-
-    monkeypatch.setattr(hopper, "fits", lambda *sizes: chosen["fwd"])
-    monkeypatch.setattr(dq_hopper, "fits", dq_fits)
-    monkeypatch.setattr(dkdv_hopper, "fits", lambda *sizes: chosen["dkdv"])
-    monkeypatch.setattr(fused_hopper, "fits", lambda *sizes: chosen["fused"])
-    q = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
-    assert flash_triton._inductor_path(q, q, q, True)
-    for which in chosen:
-        chosen.update({key: key == which for key in chosen})
-        assert not flash_triton._inductor_path(q, q, q, True), which
-    broadcast = torch.empty(1, 1, 4096, 128, dtype=torch.bfloat16).expand(1, 8, 4096, 128)
-    assert flash_triton._inductor_path(q, broadcast, broadcast, True)  # no Gluon kernel takes these
-    chosen.update(fwd=False, dq=False, dkdv=False, fused=False)
-    flash_triton._inductor_path(q, q, q, False)
-    assert dq_causal[-1] is False and set(dq_causal[:-1]) == {True}  # the mask reaches the dQ rule
-
-
-def test_fits_is_usable_from_sizes_alone(hopper_machine, monkeypatch):
-    """Each module's `usable` is its per-tensor layout rules and `fits` of the tensors' sizes."""
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(hopper, "supported_here", lambda dtype, device: True)
-    seen = set()
-    for z, h, hkv, n, d in [(1, 8, 8, 16384, 128), (1, 1, 1, 16384, 128), (2, 4, 4, 2048, 256), (4, 25, 25, 512, 64),
-                            (1, 8, 2, 32768, 256), (1, 16, 16, 16384, 64), (4, 32, 32, 512, 80), (1, 8, 8, 256, 96)]:
-        q = torch.empty(z, h, n, d, dtype=torch.bfloat16)
-        k = torch.empty(z, hkv, n, d, dtype=torch.bfloat16)
-        sizes = (z, h, hkv, n, n, d, q.dtype, q.device)
-        for name, usable, fits in [("fwd", hopper.usable(q, k, k), hopper.fits(*sizes)),
-                                   ("dq", dq_hopper.usable(q, k, k, q, q), dq_hopper.fits(*sizes)),
-                                   ("dq not causal", dq_hopper.usable(q, k, k, q, q, False),
-                                    dq_hopper.fits(*sizes, False)),
-                                   ("dkdv", dkdv_hopper.usable(q, k, k, q), dkdv_hopper.fits(*sizes)),
-                                   ("fused", fused_hopper.usable(q, k, k, q, q), fused_hopper.fits(*sizes)),
-                                   ("fused not causal", fused_hopper.usable(q, k, k, q, q, False),
-                                    fused_hopper.fits(*sizes, False))]:
-            assert usable == fits, (name, z, h, hkv, n, d)
-            seen.add((name, fits))
-    assert len(seen) == 12  # each kernel both taken and not taken among these sizes
-
-
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
 
 ON_HOPPER = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-         and hopper.triton.__version__.startswith(hopper.TRITON_VERSIONS)),
-    reason=f"the Gluon forward runs on compute capability 9.x with Triton {hopper.TRITON_VERSIONS}")
+         and hopper.triton.__version__.startswith(GLUON_TRITON_VERSIONS)),
+    reason=f"the Gluon forward runs on compute capability 9.x with Triton {GLUON_TRITON_VERSIONS}")
+
+
+def record_gluon_launches(patch, ran: list) -> None:
+    """Append "fwd", "dq", "dkdv" or "fused" to ``ran`` for each Gluon launch (the kernels still run)."""
+    for module, name, label in ((hopper, "forward", "fwd"), (ws_hopper, "forward", "fwd"), (dq_hopper, "dq", "dq"),
+                                (dkdv_hopper, "dkdv", "dkdv"), (fused_hopper, "backward", "fused")):
+        real = getattr(module, name)
+        patch.setattr(module, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
 
 
 def _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed):
@@ -643,20 +291,17 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     the size, as from 8192 and 32768 queries (the latter for odd seeds, which also take dQ's long-row tiles)."""
     q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
-    real_fwd, real_dq, real_dkdv = flash_triton._gluon_forward, dq_hopper.dq, dkdv_hopper.dkdv
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(hopper.ENV, "1")
-        patch.setenv(dkdv_hopper.ENV, "1")
-        patch.setenv(fused_hopper.ENV, "0")  # the two-kernel backward (the fused one has a test of its own)
+        patch.setenv("CS336_FLASH_HOPPER_FWD", "1")
+        patch.setenv("CS336_FLASH_HOPPER_BWD", "1")
+        patch.setenv("CS336_FLASH_FUSED_BWD", "0")  # the two-kernel backward (the fused one has a test of its own)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
         if split_dv:  # the two-launch plan; odd seeds with the dK part's long-row tiles
             patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
             patch.setattr(dkdv_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)
             patch.setattr(dq_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)  # and dQ's long-row tiles
             patch.setattr(hopper, "enough_work", lambda *args: True)
-        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real_fwd(*args))
-        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real_dq(*args))
-        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real_dkdv(*args))
+        record_gluon_launches(patch, ran)
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
     assert ran == ["fwd", "dq", "dkdv"], f"Hopper kernels that ran: {ran}"  # forced on: all three must run
 
@@ -676,17 +321,12 @@ def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d
     which run the same Gluon kernels as the eager call, with the same results."""
     q, k, v = random_qkv((1, heads), n, n, d, torch.bfloat16, "cuda", 7)
     ran = []
-    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv,
-            "fused": fused_hopper.backward}
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(hopper.ENV, raising=False)  # the default rules
-        patch.delenv(dkdv_hopper.ENV, raising=False)
-        patch.delenv(fused_hopper.ENV, raising=False)
+        patch.delenv("CS336_FLASH_HOPPER_FWD", raising=False)  # the default rules
+        patch.delenv("CS336_FLASH_HOPPER_BWD", raising=False)
+        patch.delenv("CS336_FLASH_FUSED_BWD", raising=False)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
-        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
-        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
-        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
-        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real["fused"](*args))
+        record_gluon_launches(patch, ran)
         outputs = []
         for fn in (FlashAttentionTriton.apply, torch.compile(FlashAttentionTriton.apply, fullgraph=True)):
             ran.clear()
@@ -821,14 +461,11 @@ def test_gpu_default_rules_mix_gluon_dq_with_the_portable_dkdv_for_grouped_heads
     q = random_qkv((1, 8), 2048, 2048, 256, torch.bfloat16, "cuda", 13)[0]
     _, k, v = random_qkv((1, 2), 2048, 2048, 256, torch.bfloat16, "cuda", 14)
     ran = []
-    real = {"fwd": flash_triton._gluon_forward, "dq": dq_hopper.dq, "dkdv": dkdv_hopper.dkdv}
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(hopper.ENV, raising=False)
-        patch.delenv(dkdv_hopper.ENV, raising=False)
+        patch.delenv("CS336_FLASH_HOPPER_FWD", raising=False)
+        patch.delenv("CS336_FLASH_HOPPER_BWD", raising=False)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
-        patch.setattr(flash_triton, "_gluon_forward", lambda *args: ran.append("fwd") or real["fwd"](*args))
-        patch.setattr(dq_hopper, "dq", lambda *args: ran.append("dq") or real["dq"](*args))
-        patch.setattr(dkdv_hopper, "dkdv", lambda *args: ran.append("dkdv") or real["dkdv"](*args))
+        record_gluon_launches(patch, ran)
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, True)
     assert ran == ["dq"], ran
 
@@ -844,9 +481,9 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     model's shape, d 80 and N 512, among them)."""
     from test_flash_replay import _assert_replays_match_the_ordinary_path
 
-    monkeypatch.setenv(hopper.ENV, "1")
-    monkeypatch.setenv(dkdv_hopper.ENV, "1")
-    monkeypatch.setenv(fused_hopper.ENV, "0")  # its replays: test_gpu_fused_backward_is_recorded_and_replayed
+    monkeypatch.setenv("CS336_FLASH_HOPPER_FWD", "1")
+    monkeypatch.setenv("CS336_FLASH_HOPPER_BWD", "1")
+    monkeypatch.setenv("CS336_FLASH_FUSED_BWD", "0")  # its replays: test_gpu_fused_backward_is_recorded_and_replayed
     q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i) for i in range(3))
     grad_out = torch.randn_like(q)
     table = {}
@@ -881,7 +518,7 @@ def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causa
     ran = []
     real = fused_hopper.backward
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(fused_hopper.ENV, "1")
+        patch.setenv("CS336_FLASH_FUSED_BWD", "1")
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launcher counted below
         patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
@@ -896,7 +533,7 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
     an extra slot: the next calls of the signature replay them.  dK and dV equal the ordinary call's bit for
     bit; dQ is summed by TMA reductions whose order varies from run to run, so it is compared within
     float32 rounding of the accumulator (one unit in the last place of the output dtype)."""
-    monkeypatch.setenv(fused_hopper.ENV, "1")
+    monkeypatch.setenv("CS336_FLASH_FUSED_BWD", "1")
     q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i).requires_grad_() for i in range(3))
     grad_out = torch.randn_like(q)
 
@@ -938,7 +575,7 @@ def test_gpu_fused_backward_masks_the_keys_past_nk(d, is_causal):
         k.copy_(k * 0.01 + a * unit)
     ran, real = [], fused_hopper.backward
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(fused_hopper.ENV, "1")
+        patch.setenv("CS336_FLASH_FUSED_BWD", "1")
         patch.setenv(flash_triton.REPLAY_ENV, "0")
         patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)

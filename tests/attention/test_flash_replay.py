@@ -2,6 +2,7 @@
 a GPU replayed calls against the ordinary launch path, bit for bit, with everything that must change the
 recorded signature changed in turn."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -10,6 +11,7 @@ from attention_reference import random_qkv, token_major_view
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cs336_systems import switches
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import REPLAY_ENV, FlashAttentionTriton
 from cs336_systems.attention.kernels import flash_replay
@@ -278,9 +280,11 @@ def test_every_switch_the_launch_path_reads_is_in_the_signature():
 
     root = pathlib.Path(flash_triton.__file__).parent
     read = set()
-    for path in [root / "flash_triton.py", *sorted((root / "kernels").glob("*.py"))]:
+    for path in [root / "flash_triton.py", root / "plan.py", *sorted((root / "kernels").glob("*.py"))]:
         read |= set(re.findall(r'"(CS336_FLASH_[A-Z0-9_]+)"', path.read_text()))
     assert read | {"TRITON_INTERPRET", "TRITON_DEBUG"} == set(flash_triton._SWITCHES)
+    # and the registry marks exactly those as part of a recorded call's signature
+    assert read == set(switches.KERNEL_SWITCHES)
 
 
 def test_recorded_table_keeps_no_tensors_and_starts_over_when_full(monkeypatch):
@@ -516,11 +520,13 @@ def test_gpu_recorded_signatures_still_refuse_bad_calls():
 
 @pytest.mark.gpu
 def test_gpu_compiled_graphs_replay_the_custom_ops(monkeypatch):
-    """A compiled graph runs the custom ops (here forced: `_inductor_path` False) on plain tensors, so they
+    """A compiled graph runs the custom ops (here forced: the plan's traced path "custom_op") on plain tensors, so they
     record and replay their launches as eager calls do, under signatures of their own ("fwd op", "bwd op");
     every call's outputs match the eager ones."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
-    monkeypatch.setattr(flash_triton, "_inductor_path", lambda *args: False)
+    real_plan = flash_triton._plan
+    monkeypatch.setattr(flash_triton, "_plan", lambda *args, traced=False: dataclasses.replace(
+        real_plan(*args, traced=traced), traced="custom_op") if traced else real_plan(*args))
     q, k, v = (token_major_view(4, 8, 512, 64, torch.bfloat16, i) for i in range(3))
     grad_out = torch.randn_like(q)
     expected = _ordinary(monkeypatch, q, k, v, True, grad_out)

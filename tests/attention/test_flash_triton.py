@@ -23,11 +23,12 @@ from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # The opt-in split tiles (every kernel) only where asked for: on Hopper the split kernels still hit illegal
-# memory accesses under load (docs/flash-attention.md, Section 13), and an illegal access poisons the CUDA
-# context of every later test in the process.
+# memory accesses under load (docs/flash-attention-experiments.md, Section 13), and an illegal access poisons
+# the CUDA context of every later test in the process.
 SPLIT_TILES_ON_GPU = pytest.mark.skipif(
     os.environ.get("CS336_FLASH_SPLIT_D") != "1",
-    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 (docs/flash-attention.md, Section 13)")
+    reason="experimental split head-dim tiles: run with CS336_FLASH_SPLIT_D=1 "
+           "(docs/flash-attention-experiments.md, Section 13)")
 
 
 def _apply(q, k, v, causal):
@@ -106,9 +107,9 @@ def test_head_dim_tiles(monkeypatch):
 
 def test_default_runs_the_padded_tile_everywhere(monkeypatch):
     """Unset: every kernel, head dim and dtype takes the padded tile (the split forward faulted with one key
-    under load on Hopper; docs/flash-attention.md, Section 13), nothing warns, and the configurations stay
-    keyed by the padded width.  A head dim in `FORWARD_SPLIT_HEAD_DIMS` would run its forward split on the
-    listed capabilities and off CUDA."""
+    under load on Hopper; docs/flash-attention-experiments.md, Section 13), nothing warns, and the
+    configurations stay keyed by the padded width.  A head dim in `FORWARD_SPLIT_HEAD_DIMS` would run its
+    forward split on the listed capabilities and off CUDA."""
     import warnings
 
     from cs336_systems.attention.kernels import flash_configs
@@ -169,7 +170,7 @@ def test_split_head_dim_switch(monkeypatch):
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")  # split everywhere
     assert d_tiles(80, torch.bfloat16, "dq") == (64, 16) and d_tiles(192, torch.float16, "fwd") == (64, 128)
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "yes")
-    with pytest.raises(ValueError, match="CS336_FLASH_SPLIT_D must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=r"CS336_FLASH_SPLIT_D must be one of 0, 1 \(or unset\), got 'yes'"):
         d_tiles(80, torch.bfloat16, "fwd")
 
 
@@ -195,7 +196,8 @@ def _split_forward_against_padded(d, dtype, device):
 def test_split_forward_matches_the_padded_one(d):
     """The split forward (opt-in; d 80 and 96) against the padded one, at one to three pipeline stages and edge
     shapes; on Hopper with Triton 3.6 the one-stage split forward returned wrong outputs or faulted on every
-    launch until V's narrow tile was loaded before the wide P V product (docs/flash-attention.md, Section 13).
+    launch until V's narrow tile was loaded before the wide P V product (docs/flash-attention-experiments.md,
+    Section 13).
     Here in the interpreter (fp16), on the GPU below (bf16, opted in only: it can still fault under load)."""
     if DEVICE != "cpu":
         pytest.skip("the GPU variant is test_gpu_split_forward_matches_the_padded_one")
@@ -531,7 +533,8 @@ def test_gpu_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk,
 @pytest.mark.parametrize("d", sorted(SPLIT_LAYOUTS))
 def test_gpu_split_head_dim_edge_shapes_match_float64_reference(d, monkeypatch):
     """Every split layout at the shapes where wrong tile orders failed on an H100 (one query, one key, a
-    ragged short tile; docs/flash-attention.md, Section 13), causal and not, with the launcher's configurations."""
+    ragged short tile; docs/flash-attention-experiments.md, Section 13), causal and not, with the launcher's
+    configurations."""
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     for i, (nq, nk) in enumerate(((1, 1), (1, 2048), (17, 63), (1000, 1025))):
         for causal in (False, True):
@@ -669,7 +672,7 @@ def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(h100_sms, monk
     assert flash_launch.key_splits(torch.empty(1, 2048, 64), 2048, cfg) == 3
     assert flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg, split_head_dim=True) == 3  # forced: as asked
     monkeypatch.setenv("CS336_FLASH_SPLITS", "zero")
-    with pytest.raises(ValueError, match="CS336_FLASH_SPLITS must be a positive integer, got 'zero'"):
+    with pytest.raises(ValueError, match=r"CS336_FLASH_SPLITS must be a positive integer \(or unset\), got 'zero'"):
         flash_launch.key_splits(FakeCuda(1, 2048), 2048, cfg)
     monkeypatch.delenv("CS336_FLASH_SPLITS")
     with pytest.raises(ValueError, match="splits must be >= 1, got 0"):
@@ -829,7 +832,7 @@ def test_tma_is_used_only_where_descriptors_fit(monkeypatch):
     monkeypatch.setenv("CS336_FLASH_TMA", "0")
     assert not flash_launch.use_tma(t)
     monkeypatch.setenv("CS336_FLASH_TMA", "yes")
-    with pytest.raises(ValueError, match="CS336_FLASH_TMA must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=r"CS336_FLASH_TMA must be one of 0, 1 \(or unset\), got 'yes'"):
         flash_launch.use_tma(t)
     monkeypatch.delenv("CS336_FLASH_TMA")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -892,22 +895,6 @@ def test_gpu_token_major_views_at_model_shapes(heads, kv_heads, d):
     assert all(t.transpose(1, 2).is_contiguous() for t in (o, *grads))
 
 
-def test_traced_calls_take_the_inductor_ops_unless_descriptors_are_wanted(monkeypatch):
-    """Under tracing, the triton_ops (inductor launches the kernels) serve every problem whose configuration
-    loads K/V with pointers or whose K/V are strided views; the custom ops keep the TMA-configured ones."""
-    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", False)
-    wants = {"tma": True}
-    monkeypatch.setattr(flash_triton, "_configured_tma", lambda *args: wants["tma"])
-    contiguous = torch.empty(1, 2, 64, 32)
-    strided = torch.empty(1, 64, 2, 32).transpose(1, 2)
-    assert not flash_triton._inductor_path(contiguous, contiguous, contiguous, True)
-    assert flash_triton._inductor_path(strided, strided, strided, True)
-    wants["tma"] = False
-    assert flash_triton._inductor_path(contiguous, contiguous, contiguous, True)
-    monkeypatch.setattr(flash_triton, "KERNELS_INTERPRETED", True)  # wrap_triton cannot take interpreted kernels
-    assert not flash_triton._inductor_path(strided, strided, strided, True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads, d", [(25, 25, 64), (32, 32, 80), (8, 2, 64)])
 def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d):
@@ -933,7 +920,7 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
 
     (o, *grads), code = run_and_get_code(compiled_step)
     code = "".join(code)
-    if flash_triton._gluon_chosen(4, heads, kv_heads, 512, 512, d, torch.bfloat16, q.device, True):
+    if flash_triton._plan(q, k, True, (q, k, v), "", traced=True).traced == "custom_op":
         assert "torch.ops.cs336.flash_attn_fwd.default" in code and "torch.ops.cs336.flash_attn_bwd.default" in code
     else:  # inductor launches the kernels itself, forward and backward: no registered custom op is called
         assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))

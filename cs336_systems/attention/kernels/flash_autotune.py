@@ -27,7 +27,10 @@ name and Triton version, then by `ShapeKey.text()`.
 The cache file is only ever rewritten when it is a readable cache (or missing, or empty): a file that does
 not parse, or is some other JSON (CS336_FLASH_CACHE pointed at the wrong file), is left untouched and the
 new entries go to a file beside it, ``<path>.new`` (or ``<path>.new.1``, ... if that one is taken by
-something else too), with a warning naming both.  ``CS336_FLASH_AUTOTUNE`` must be unset, "0" or "1"
+something else too), with a warning naming both.  A symlinked cache is rewritten through the link (the file
+it points to is replaced, the link stays), keeping that file's permission bits; a path that names something
+other than a regular file (a directory, a device such as /dev/null, a FIFO, a socket) is neither read nor
+replaced: `CacheFileError`.  ``CS336_FLASH_AUTOTUNE`` must be unset, "0" or "1"
 (anything else is a ValueError listing those), read when a call's shape is first selected.
 """
 
@@ -37,6 +40,8 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
+import stat
 import sys
 import time
 import warnings
@@ -90,8 +95,48 @@ def autotune_requested() -> bool:
 _CACHE_SHAPE = "expected {device: {shape key: {kernel: config}}}"
 
 
+class CacheFileError(ValueError):
+    """The autotune cache's path names something other than a regular file (or a link to one)."""
+
+
+# What each kind of non-regular file is called in errors.  Reading a FIFO would block until some writer
+# appears, reading a device reads whatever it yields, and replacing any of them (os.replace) would swap a
+# system file such as /dev/null for a regular one: none of them is ever opened.
+_SPECIAL_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                  (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` (through any symlinks) is when it exists and is not a regular file; None for a regular
+    file or a missing one (a dangling link included: writing creates its target)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing, or cannot tell (no permission): the read or write that follows says why
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for is_kind, kind in _SPECIAL_FILES if is_kind(mode)), f"not a regular file (mode {mode:o})")
+
+
+def _refuse_special(path: Path) -> None:
+    """CacheFileError when the cache path names a directory, device, FIFO or socket (see `_SPECIAL_FILES`)."""
+    kind = _special_kind(path)
+    if kind is None:
+        return
+    target = path.resolve()
+    where = f"{CACHE_ENV}={path}" if os.environ.get(CACHE_ENV) else f"{path} (the default; {CACHE_ENV} is unset)"
+    link = f" (a link to {target})" if str(target) != os.path.abspath(path) else ""
+    raise CacheFileError(f"the autotune cache {where}{link} is {kind}, not a regular file: it is neither read nor "
+                         f"replaced; set {CACHE_ENV} to the path of a JSON file (missing is fine: it is created)")
+
+
 def _parse_cache_file(path: Path) -> tuple[dict[str, dict[str, dict[str, str]]] | None, str | None]:
-    """(cache, None) for a missing or empty file or a readable cache; (None, why) otherwise (no output)."""
+    """(cache, None) for a missing or empty file or a readable cache; (None, why) otherwise (no output).
+    Anything but a regular file is (None, what it is), without being opened."""
+    kind = _special_kind(path)
+    if kind is not None:
+        return None, f"{path} is {kind}"
     try:
         text = path.read_text() if path.exists() else ""
         data = json.loads(text) if text.strip() else {}
@@ -103,7 +148,9 @@ def _parse_cache_file(path: Path) -> tuple[dict[str, dict[str, dict[str, str]]] 
 
 
 def _read_cache_file(path: Path) -> dict[str, dict[str, dict[str, str]]]:
-    """The cache file's {device id: {shape key: {kernel: config text}}}; {} (with a note) if unusable."""
+    """The cache file's {device id: {shape key: {kernel: config text}}}; {} (with a note) if unusable.
+    CacheFileError if the path is not a regular file: that is a wrong setting, not a corrupt cache."""
+    _refuse_special(path)
     data, problem = _parse_cache_file(path)
     if data is None:
         # A corrupt cache only costs re-tuning; say so rather than failing the attention call.
@@ -126,7 +173,9 @@ def _foreign(data: dict) -> str | None:
 def _writable_cache(path: Path) -> tuple[Path, dict[str, dict[str, dict[str, str]]]]:
     """The file to write the cache to and its current contents: ``path`` itself when it is missing, empty
     or a readable cache; otherwise the first of ``<path>.new``, ``<path>.new.1``, ... that is (with a
-    warning: the file at ``path`` is never overwritten)."""
+    warning: the file at ``path`` is never overwritten).  CacheFileError when ``path`` is not a regular file
+    (nor a link to one): a mistyped setting such as /dev/null is refused rather than worked around."""
+    _refuse_special(path)
     data, problem = _parse_cache_file(path)
     if data is not None:
         problem = _foreign(data)
@@ -160,7 +209,8 @@ def _locked(path: Path):
     except ImportError:  # not POSIX: concurrent tuners may then lose an entry (re-tuned later)
         yield
         return
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    # "a", not "w": opening never truncates whatever is already there
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -168,18 +218,52 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to the regular file ``path`` names, atomically (readers see the old file or the new one,
+    never half of it): through symlinks, so the file a link points to is replaced and the link stays; with
+    the replaced file's permission bits (a new file gets the umask's)."""
+    target = path.resolve()  # os.replace onto a link would replace the link itself
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        mode = None
+    else:
+        if not stat.S_ISREG(st.st_mode):  # checked by the callers; again here, where it is replaced
+            raise CacheFileError(f"flash_autotune: {target} is {_special_kind(target)}, not a regular file: "
+                                 f"not replaced ({CACHE_ENV}={os.environ.get(CACHE_ENV, '')!r})")
+        mode = stat.S_IMODE(st.st_mode)
+    for _ in range(100):  # a name no one else uses (O_EXCL), in the target's directory: os.replace stays atomic
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"flash_autotune: no free temporary file name beside {target}")
+    try:
+        with os.fdopen(fd, "w") as out:
+            if mode is not None:
+                os.chmod(tmp, mode)  # before any content: a 600 cache is never readable by others, even here
+            out.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _store_cache(device: torch.device, key: ShapeKey, chosen: dict[str, TileConfig]) -> None:
     """Add one entry: re-read the file under a lock and merge, so entries other processes saved since this
     one loaded the cache are kept; then write atomically (readers never see a half-written file)."""
     global _cache, generation
     path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
+    _refuse_special(path)  # before creating anything for it (the directory, the lock)
+    real = path.resolve()  # the lock goes beside the file written, shared by every link to it
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(real):
         target, cache = _writable_cache(path)  # never the file at path when it is not a readable cache
         cache.setdefault(device_id(device), {})[key.text()] = {kernel: cfg.short() for kernel, cfg in chosen.items()}
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(target)
+        _replace_file(target, json.dumps(cache, indent=1, sort_keys=True))
     _cache = cache
     generation += 1
 

@@ -66,15 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_dkdv_hopper import ENV as BWD_ENV  # "0": every Gluon backward off
-from cs336_systems.attention.kernels.flash_launch import direct, env_switch
+from cs336_systems.attention.kernels.flash_launch import direct
 
 HEAD_DIMS = (64, 128)
-# head dims taken by default (`fits`); "1" in ENV takes every one of HEAD_DIMS
-DEFAULT_HEAD_DIMS = (64, 128)
-# "0": never; "1": any problem at HEAD_DIMS the inputs allow (grouped heads and short rows included); unset:
-# the measured territory (`fits`).
-ENV = "CS336_FLASH_FUSED_BWD"
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
@@ -86,18 +80,6 @@ DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
 # consumer (the default partition) gets what is left, 168 x 3 - 240 - 32 = 232
 MAXNREG = 168
 REGS = (240, 32)
-# Where it measured faster than the two-kernel backward (H100, bf16, CUDA-graph time; docs/flash-attention.md,
-# Section 8), by head dim.  Causal: from MIN_QUERIES queries with at least MIN_PROGRAMS_PER_SM programs of 128
-# keys (of one K/V head: a program walks its whole group of query heads) per SM.  d 64: 0.75-0.91x there,
-# grouped heads included (0.77-0.80x at Hq 16-32 on 4-8 K/V heads); 1.20-1.25x at B·H 1, N 4096-16384 (32-128
-# programs, the longest walking 128 steps), 2.1x with one K/V head for 32 query heads (64 programs), 1.18x at
-# N 512.  d 128: 0.69-0.94x from N 1024 (B 4, H 25) to 65536.  Without the mask (balanced programs): from
-# NONCAUSAL_MIN_QUERIES queries, no grouped heads (not measured): d 64 0.87-0.95x from N 1024; d 128 0.78-0.81x
-# from N 4096, 1.04x at N 1024.
-MIN_QUERIES = {64: 4096, 128: 1024}
-MIN_PROGRAMS_PER_SM = 1
-NONCAUSAL_MIN_QUERIES = {64: 1024, 128: 4096}
-# the kernels' copies
 _BLOCK_N = gl.constexpr(BLOCK_N)
 _NUM_STAGES, _DS_STAGES = gl.constexpr(NUM_STAGES), gl.constexpr(DS_STAGES)
 
@@ -385,41 +367,6 @@ def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, 
     x = tl.load(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], mask=m, other=0.0)
     tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
              mask=m)
-
-
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """`flash_fwd_hopper.switched_on` with this kernel's switch (ENV) and head dim; never where the Gluon
-    backward kernels are switched off (`flash_dkdv_hopper.ENV` "0")."""
-    if env_switch(BWD_ENV) == "0":
-        return False
-    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
-
-
-def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device, causal: bool = True) -> bool:
-    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
-    "1", the measured territory: causal, MIN_QUERIES queries and MIN_PROGRAMS_PER_SM programs (128 keys of
-    one K/V head) per SM; without the mask, NONCAUSAL_MIN_QUERIES queries and no grouped K/V heads."""
-    if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
-        return False
-    if env_switch(ENV) == "1":
-        return True
-    if not causal:
-        return n_q >= NONCAUSAL_MIN_QUERIES[head_dim] and heads == kv_heads
-    if n_q < MIN_QUERIES[head_dim]:
-        return False
-    return fwd.enough_work(triton.cdiv(n_k, BLOCK_N) * z * kv_heads, device, MIN_PROGRAMS_PER_SM)
-
-
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-           causal: bool = True) -> bool:
-    """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses for the inputs the
-    descriptors read (q, k, v, do) and the outputs they write (dk, dv: like k, v)."""
-    if q.dim() != 4 or k.dim() != 4:
-        return False
-    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device,
-                 causal)
-            and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)) and o.stride(-1) == 1)
 
 
 def _accumulator_descriptor(dqa: torch.Tensor):

@@ -27,11 +27,12 @@ ops, and the property tests want many programs, ragged edges and several tiles p
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from cs336_systems import switches
 
 KERNELS = ("fwd", "dkdv", "dq")
 DTYPE_CLASSES = ("half", "fp32x3", "fp32ieee")
@@ -61,7 +62,8 @@ SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (3
 # 96 measured faster than the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an
 # H200; d 96: 39.6 against 41.6) and ran clean under concurrent load at that shape, but with one key (N_k 1) it
 # hit illegal memory accesses in 10 of 39 processes under eight-process load on an H200 (Triton 3.6), where the
-# padded forward ran clean (docs/flash-attention.md, Section 13); the backward kernels' split tiles fault too.
+# padded forward ran clean (docs/flash-attention-experiments.md, Section 13); the backward kernels' split tiles
+# fault too.
 # The mechanism stays for a Triton release without the fault: a head dim listed here runs its forward split by
 # default on devices of a compute capability major in FORWARD_SPLIT_CAPABILITIES and off CUDA.
 FORWARD_SPLIT_HEAD_DIMS: tuple[int, ...] = ()
@@ -70,10 +72,7 @@ FORWARD_SPLIT_CAPABILITIES = (9,)
 
 def _split_switch() -> str:
     """``CS336_FLASH_SPLIT_D``: "" (unset: the default), "0" or "1"; anything else is a ValueError."""
-    forced = os.environ.get(SPLIT_D_ENV, "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"{SPLIT_D_ENV} must be 0 or 1, got {forced!r}")
-    return forced
+    return switches.read(SPLIT_D_ENV)
 
 
 def split_opted_in(head_dim: int, dtype: torch.dtype) -> bool:
@@ -96,10 +95,10 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | No
     `FORWARD_SPLIT_CAPABILITIES` and off CUDA.  ``CS336_FLASH_SPLIT_D=0``: padded everywhere.  ``=1`` (opt-in,
     experimental): every kernel at every head dim of `SPLIT_LAYOUTS` runs split; on Hopper (Triton 3.6) the
     split kernels hit illegal memory accesses, and the backward's can return NaN without an error, under
-    concurrent load (docs/flash-attention.md, Section 13); the first such choice in a process warns
-    (RuntimeWarning, SPLIT_D_WARNING).  float32 keeps the padded tile in every case (its split kernels faulted).
-    The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was traced with
-    (set it before compiling).
+    concurrent load (docs/flash-attention-experiments.md, Section 13); the first such choice in a process
+    warns (RuntimeWarning, SPLIT_D_WARNING).  float32 keeps the padded tile in every case (its split kernels
+    faulted).  The variable is read at every eager call, but a torch.compile'd call keeps the tiles it was
+    traced with (set it before compiling).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -119,7 +118,7 @@ def d_tiles(head_dim: int, dtype: torch.dtype, kernel: str, capability: int | No
 
 SPLIT_D_WARNING = (f"{SPLIT_D_ENV}=1: split head-dim tiles are experimental; on Hopper with Triton 3.6 the "
                    "split kernels can hit illegal memory accesses, and the backward's return NaN without an error "
-                   "(docs/flash-attention.md, Section 13)")
+                   "(docs/flash-attention-experiments.md, Section 13)")
 _split_warned = False
 
 
@@ -195,12 +194,9 @@ def fp32_dot() -> str:
     products (hi*hi + hi*lo + lo*hi; the dropped lo*lo term is ~2^-22 relative): close to fp32 accuracy at
     tensor-core speed.  It is the arithmetic PyTorch's own fp32 SDPA kernel (mem-efficient, CUTLASS's
     OpMultiplyAddFastF32) uses on sm_80+.  "ieee" multiplies on the FMA units, exact fp32 products, several
-    times slower and register-hungry at d >= 64 (docs/flash-attention.md, Section 7).
+    times slower and register-hungry at d >= 64 (docs/flash-attention-experiments.md, Section 7).
     """
-    value = os.environ.get(FP32_DOT_ENV, "") or "tf32x3"
-    if value not in FP32_DOTS:
-        raise ValueError(f"{FP32_DOT_ENV} must be one of {FP32_DOTS}, got {value!r}")
-    return value
+    return switches.read(FP32_DOT_ENV) or "tf32x3"
 
 
 def dtype_class(dtype: torch.dtype) -> str:
@@ -299,9 +295,9 @@ def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
 # FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
 # from an empty cache (every candidate compiled once) stays well under a minute.
 SEARCH_SPACE = {
-    # "t": K/V through TMA descriptors (H100, 2026-11-22; docs/flash-attention.md, Section 6): forward
-    # 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096, so
-    # only where measured to win.  64 x 32 left for it (never chosen).
+    # "t": K/V through TMA descriptors (H100, 2026-11-22; docs/flash-attention-experiments.md, Section 6):
+    # forward 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096,
+    # so only where measured to win.  64 x 32 left for it (never chosen).
     ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
                               (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, 1)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
@@ -321,8 +317,8 @@ SEARCH_SPACE = {
                              (64, 128, 4, 3)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
     # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
-    # Tuned on an H100 from an empty cache (2026-11-22; docs/flash-attention.md, Section 7): among the
-    # half-precision shapes 32 x 64 won every kernel at d = 64 and 128, N 1024-16384, B*H 1, and 64-query dQ
+    # Tuned on an H100 from an empty cache (2026-11-22; docs/flash-attention-experiments.md, Section 7): among
+    # the half-precision shapes 32 x 64 won every kernel at d = 64 and 128, N 1024-16384, B*H 1, and 64-query dQ
     # and dK/dV tiles run out of shared memory at d = 128.  With 32-query candidates dK/dV moved to 32 x 32
     # (d = 128, N 16384: 3.84 vs 6.55 ms), hence the 32 x 32 and 16-query variants around it.
     ("fwd", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
@@ -402,10 +398,10 @@ def _shared_bytes(kernel: str, block_m: int, block_n: int, d: int, element: int,
 TUNED_SM90: dict[str, dict[str, str]] = {
     "d16-fp32ieee-causal-n1024-bh1": {"fwd": "32x32w4s3", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
     "d32-fp32ieee-causal-n1024-bh1": {"fwd": "32x64w4s2", "dkdv": "32x32w4s2", "dq": "32x64w4s2"},
-    # float32, tf32x3 dots, tuned on an H100 (2026-11-22; docs/flash-attention.md, Section 7): d = 16 / 32
-    # before the 16-query and 8-warp 32 x 32 candidates were added, d = 64 / 128 with them.  At N = 1024 the
-    # tuner's per-kernel times are host-bound (tens of microseconds) and varied 2-3x between two tuning
-    # runs: those entries are the weakest.
+    # float32, tf32x3 dots, tuned on an H100 (2026-11-22; docs/flash-attention-experiments.md, Section 7):
+    # d = 16 / 32 before the 16-query and 8-warp 32 x 32 candidates were added, d = 64 / 128 with them.  At
+    # N = 1024 the tuner's per-kernel times are host-bound (tens of microseconds) and varied 2-3x between two
+    # tuning runs: those entries are the weakest.
     "d16-fp32x3-causal-n1024-bh1": {"fwd": "32x32w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d16-fp32x3-causal-n16384-bh1": {"fwd": "64x64w4s2", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d32-fp32x3-causal-n1024-bh1": {"fwd": "128x32w8s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,20 +55,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct, env_switch
+from cs336_systems.attention.kernels.flash_launch import direct
 
-HEAD_DIMS = (64, 80, 96, 128, 256)
-# "0": never; "1": every head dim in HEAD_DIMS and any problem the inputs allow; unset: DEFAULT_HEAD_DIMS where
-# it measured faster (`usable`; docs/flash-attention.md, Section 14).
-ENV = "CS336_FLASH_HOPPER_BWD"
-DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
-# d <= 128 (several programs share an SM): 256 programs at B·H 1, N 16384 lost, 512 at N 32768 won; d 256
-# (one program per SM) won at every size measured, down to 128 programs (B·H 1, N 4096)
-MIN_PROGRAMS_PER_SM = 2
-MIN_QUERIES = 2048  # the shortest sequence where it measured faster (B 4, H 16, N 2048)
-# d 80 and 96, which the portable dK/dV runs in a padded 128-wide tile as this kernel does: at the 2.7B model's
-# shape (B 4, H 32, N 512, 1024 programs) it took 59 us against the portable kernel's 82 (H200, CUDA-graph time)
-PADDED_MIN_QUERIES = 512
+HEAD_DIMS = (64, 80, 96, 128, 256)  # where it runs: `cs336_systems.attention.plan`
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
@@ -267,41 +255,6 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
         _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
                       heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 2, CAUSAL, HEAD_DIM,
                       BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
-
-
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """As `flash_fwd_hopper.wanted`, with this kernel's switch (ENV) and head dims."""
-    return fwd.switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
-
-
-def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device) -> bool:
-    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h_kv) slices, and, unless ENV is
-    "1", the measured territory: at least MIN_QUERIES queries (PADDED_MIN_QUERIES at d 80 and 96), no
-    grouped K/V heads, and at least MIN_PROGRAMS_PER_SM programs per SM at d <= 128.  There few programs
-    (B·H_kv 1 below N 32768) leave the causal grid unbalanced, where the portable kernel's smaller key blocks
-    do better; at d 256 (one program per SM either way) the Gluon kernel measured faster at every size from
-    N 2048 up.  Shorter sequences and grouped heads (a program sums its whole group; the portable kernel spreads a group over programs,
-    `flash_launch.group_splits`) were not measured, so they keep the portable kernel."""
-    if not (wanted(head_dim, dtype, device) and z * kv_heads <= 65535):
-        return False
-    if env_switch(ENV) == "1":
-        return True
-    if n_q < (PADDED_MIN_QUERIES if fwd.tile_dim(head_dim) != head_dim else MIN_QUERIES) or heads != kv_heads:
-        return False
-    if head_dim > 128:
-        return True
-    programs = triton.cdiv(n_k, tiles(head_dim)[0]) * z * kv_heads
-    return fwd.enough_work(programs, device, MIN_PROGRAMS_PER_SM)
-
-
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses (checked last, as in
-    `flash_fwd_hopper.usable`)."""
-    if q.dim() != 4 or k.dim() != 4:
-        return False
-    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
-            and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, do)))
 
 
 def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int,

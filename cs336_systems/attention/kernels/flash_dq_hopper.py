@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,45 +52,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
 from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct, env_switch
+from cs336_systems.attention.kernels.flash_launch import direct
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
-ENV = dkdv_hopper.ENV  # one switch for the backward's Gluon kernels
-DEFAULT_HEAD_DIMS = (80, 96, 256)
-MIN_QUERIES = 2048  # the shortest sequence measured (B 2, H 4, N 2048: faster)
-# d 80 and 96 (products over d in slices, `flash_fwd_hopper.SLICED_HEAD_DIMS`): faster than the portable dQ at
-# every length measured from the 2.7B model's context up (H200, causal, CUDA-graph time: -7% at B 4, H 32,
-# N 512; -25% at N 1024-2048; -4% at N 8192; equal at B 1, H 16, N 16384).
-SLICED_MIN_QUERIES = 512
-# ... up to the longest rows measured with slices; before them the whole-tile kernel lost at B·H 1, N 65536
-# (+17%), so longer rows keep the portable dQ.
-SLICED_MAX_QUERIES = 16384
-# Not causal, d 128: the portable dQ's default tiles there (64 x 64, 8 warps, 2 stages) took 2.1-2.4x this
-# kernel's time at every size measured (H100, CUDA-graph time, N 1024-32768, B·H 1-128: 6.51 vs 2.98 ms at
-# B 1, H 8, N 16384).  Against the tuned entries without the mask added since (`flash_configs.TUNED_SM90`,
-# `full`) it is within 11% either way (same timing: -9% at B·H 8, N 1024, -2 to -3% at B·H 64, ties at
-# N 4096-32768, +11% at B·H 8, N 2048 and at B·H 1, N 16384), so the rule stays.  At d 64 the tuned portable
-# dQ is faster (0.088 vs 0.111 ms at B·H 8, N 4096; 1.42 vs 1.49 at N 16384), and compiled calls there keep
-# inductor's launches only while no Gluon kernel is chosen, so d 64 stays portable.
-NONCAUSAL_HEAD_DIMS = (128,)
-NONCAUSAL_MIN_QUERIES = 1024
-# Causal at d 64 and 128, against the portable dQ (H100, bf16, kernel alone, CUDA-graph time, B·H 1-64 x N
-# 1024-16384): d 128, with the stages `two_stages` picks, as fast or faster from N 2048 to 8192 wherever the
-# grid has a program per SM (-1 to -19%, e.g. 0.228 vs 0.282 ms at B·H 64, N 2048, 0.783 vs 0.955 at N 4096,
-# 0.388 vs 0.468 at 32 query heads on 8 K/V heads, N 4096; a tie at B·H 16, N 8192), slower at N 16384 from
-# B·H 16 (+1-3%); d 64 faster at N 2048 (-6 to -34%) and at N 4096 with many programs (-7% at
-# B·H 64, -1% at 16), slower at N 4096 with few (+15% at B·H 1) and at N 8192 (+4 to +17%).  Not below
-# CAUSAL_MIN_QUERIES, where the other Gluon kernels do not take these head dims either, so that compiled
-# calls there keep inductor's launches (the models' N 512 calls are host-bound).  At d 64 the two programs
-# per SM are the Gluon dK/dV's own minimum (`flash_dkdv_hopper.MIN_PROGRAMS_PER_SM`), kept at N 2048 too
-# although B·H 1-4 won there: below it the forward and dK/dV are portable, and a compiled call would leave
-# inductor's launches for this kernel alone.
-CAUSAL_HEAD_DIMS = (64, 128)
-CAUSAL_MIN_QUERIES = 2048
-CAUSAL_MAX_QUERIES = {64: 4096, 128: 8192}
-CAUSAL_MIN_PROGRAMS_PER_SM = {64: 2, 128: 1}  # 64-row programs
 # d 128: Q + dO 32 KB and two stages of K + V (64 KB) fit two programs an SM, where three stages (128 KB) fit
 # one.  Two stages measured faster once the grid is large (same probe: causal 0.783 vs 0.890 ms at B·H 64,
 # N 4096, 1024-4096 programs; not causal 2.64 vs 3.05 at B·H 8, N 16384, 512 programs and more) and slower
@@ -228,47 +192,6 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [z, h, start_m, 0], q_buf)
     tma.store_wait(0)
-
-
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device, causal: bool = True) -> bool:
-    """As `flash_fwd_hopper.wanted`, with the backward's switch (ENV) and this kernel's head dims: by default
-    DEFAULT_HEAD_DIMS, and CAUSAL_HEAD_DIMS or NONCAUSAL_HEAD_DIMS by ``causal``."""
-    defaults = DEFAULT_HEAD_DIMS + (CAUSAL_HEAD_DIMS if causal else NONCAUSAL_HEAD_DIMS)
-    return fwd.switched_on(ENV, HEAD_DIMS, defaults, head_dim, dtype, device)
-
-
-def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device, causal: bool = True) -> bool:
-    """`usable` from the problem's sizes alone: `wanted`, at most 65535 (z, h) slices, and, unless ENV is
-    "1", the measured territory: at least MIN_QUERIES queries at a power-of-two head dim; at d 80 and 96
-    SLICED_MIN_QUERIES to SLICED_MAX_QUERIES with the products sliced (`flash_fwd_hopper.d_split`), never
-    with whole tiles (slower than the portable kernel at N 8192 and 65536); not ``causal`` at
-    NONCAUSAL_HEAD_DIMS, at least NONCAUSAL_MIN_QUERIES queries; ``causal`` at CAUSAL_HEAD_DIMS,
-    CAUSAL_MIN_QUERIES to CAUSAL_MAX_QUERIES queries in at least CAUSAL_MIN_PROGRAMS_PER_SM 64-row programs
-    per SM."""
-    if not (wanted(head_dim, dtype, device, causal) and z * heads <= 65535):
-        return False
-    if env_switch(ENV) == "1":
-        return True
-    if fwd.d_split(head_dim):
-        return SLICED_MIN_QUERIES <= n_q <= SLICED_MAX_QUERIES
-    if not causal and head_dim in NONCAUSAL_HEAD_DIMS:
-        return n_q >= NONCAUSAL_MIN_QUERIES
-    if causal and head_dim in CAUSAL_HEAD_DIMS:
-        return (CAUSAL_MIN_QUERIES <= n_q <= CAUSAL_MAX_QUERIES[head_dim]
-                and fwd.enough_work(programs(z, heads, n_q), device, CAUSAL_MIN_PROGRAMS_PER_SM[head_dim]))
-    return fwd.tile_dim(head_dim) == head_dim and n_q >= MIN_QUERIES
-
-
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-           causal: bool = True) -> bool:
-    """(Z, H, N, d) tensors, `fits`, and TMA-compatible strides and base addresses (O is read by pointers:
-    the same rule; checked last, as in `flash_fwd_hopper.usable`)."""
-    if q.dim() != 4 or k.dim() != 4:
-        return False
-    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device,
-                 causal)
-            and all(t.dim() == 4 and fwd.aligned(t) for t in (q, k, v, o, do)))
 
 
 def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:

@@ -54,30 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels.flash_launch import capability_major, direct, env_switch, sm_count, tma_enabled
+from cs336_systems.attention.kernels.flash_launch import direct, sm_count
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128  # two warpgroups x 64 rows
 HEAD_DIMS = (64, 80, 96, 128, 256)
-# "0": never; "1": every head dim in HEAD_DIMS and any problem size the inputs allow; unset: the measured
-# defaults below (docs/flash-attention.md, Section 14).
-ENV = "CS336_FLASH_HOPPER_FWD"
-DEFAULT_HEAD_DIMS = (80, 96, 128, 256)  # at d 64 the portable forward measured as fast or faster
-# Default size rule: keys per row and programs per SM.  Shorter rows do not amortize a program's unoverlapped
-# first and last products and its Q load; fewer programs leave a causal grid unbalanced, where the portable
-# kernel splits keys across programs instead.
-MIN_KEYS = 16384
-# d 80 and 96 with their products over d in slices (SLICED_HEAD_DIMS) and PADDED_TILES: faster than the portable
-# forward at every length measured (H200, causal, CUDA-graph time, one probe: 31.3 vs 41.4 us at the 2.7B
-# model's B 4, H 32, N 512; 80.5 vs 102.3 at B 2, H 16, N 2048; 561 vs 674 at B 1, H 16, N 8192).
-SLICED_MIN_KEYS = 512
-# d 128 runs the warp-specialized kernel (flash_fwd_hopper_ws): faster than the portable forward from 2048 keys
-# (H100, CUDA-graph time, standalone probe: 0.164 vs 0.194 ms at B 4, H 16, N 2048, causal; 0.453 vs 0.694 at
-# B 2, H 4, N 8192, not causal; 0.908 vs 1.152 at B 1, H 8, N 16384, causal), with the program rule below.
-WS_MIN_KEYS = 2048
-MIN_PROGRAMS_PER_SM = 1
-# The Gluon API this file is written against; other Triton versions take the portable kernel.
-TRITON_VERSIONS = ("3.6.",)
 
 
 def block_n(head_dim: int) -> int:
@@ -375,66 +356,10 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and strides_ok(t)
 
 
-def supported_here(dtype: torch.dtype, device: torch.device) -> bool:
-    """bfloat16 / float16 on a CUDA device of compute capability 9.x, with a Triton release whose Gluon API
-    these kernels are written against, and TMA not switched off (``CS336_FLASH_TMA=0`` means no descriptors
-    anywhere, these kernels included; `flash_launch.tma_enabled`).  No device work."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if not triton.__version__.startswith(TRITON_VERSIONS):
-        return False
-    return tma_enabled(device) and capability_major(device) == 9
-
-
-def switched_on(env: str, head_dims: tuple[int, ...], default_head_dims: tuple[int, ...], head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> bool:
-    """A Gluon kernel's choice by head dim, dtype and device: `supported_here`, and a head dim its switch
-    allows (env "0": never, "1": every head dim in head_dims, unset: default_head_dims)."""
-    choice = env_switch(env)
-    if choice == "0" or head_dim not in (head_dims if choice == "1" else default_head_dims):
-        return False
-    return supported_here(dtype, device)
-
-
-def wanted(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this kernel is chosen for the head dim, dtype and device (`switched_on` with ENV)."""
-    return switched_on(ENV, HEAD_DIMS, DEFAULT_HEAD_DIMS, head_dim, dtype, device)
-
-
 def enough_work(programs: int, device: torch.device, per_sm: int) -> bool:
     """At least `per_sm` programs per SM of the device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return programs >= per_sm * sm_count(index)
-
-
-def fits(z: int, heads: int, kv_heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device) -> bool:
-    """`usable` from the problem's sizes alone (what a traced call knows): `wanted` for the head dim, dtype
-    and device, at most 65535 (z, h) slices (the grid's second dimension), and (unless ENV is "1") at least
-    MIN_KEYS keys (SLICED_MIN_KEYS at d 80 and 96) and MIN_PROGRAMS_PER_SM programs of 128 query rows per SM
-    (measured: 256 programs at B·H 1, N 32768 won, 128 at N 16384 lost; the 64-row tiles at d 80 / 96 were
-    measured with 512 or more such units); at d 128, where the warp-specialized kernel runs, WS_MIN_KEYS keys."""
-    if not (wanted(head_dim, dtype, device) and z * heads <= 65535):
-        return False
-    if env_switch(ENV) == "1":
-        return True
-    programs = triton.cdiv(n_q, BLOCK_M) * z * heads  # 128-row units at every tile size: the rule's measured unit
-    if d_split(head_dim):
-        min_keys = SLICED_MIN_KEYS
-    elif head_dim == 128:  # the warp-specialized kernel (flash_fwd_hopper_ws)
-        min_keys = WS_MIN_KEYS
-    else:
-        min_keys = MIN_KEYS
-    return n_k >= min_keys and enough_work(programs, device, MIN_PROGRAMS_PER_SM)
-
-
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """(Z, H, N, d) inputs, `fits`, and TMA-compatible strides and base addresses (checked last: `fits`
-    turns most calls away at its head-dim and size rules, cheaper than reading every tensor's layout)."""
-    if q.dim() != 4 or k.dim() != 4:
-        return False
-    return (fits(q.shape[0], q.shape[1], k.shape[1], q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, q.device)
-            and all(t.dim() == 4 and aligned(t) for t in (q, k, v)))
 
 
 @functools.cache

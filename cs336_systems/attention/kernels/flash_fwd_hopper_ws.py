@@ -172,12 +172,6 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def takes(head_dim: int) -> bool:
-    """Whether flash_triton runs this kernel, not flash_fwd_hopper's, at a head dim (whole tiles only: 64 and
-    128)."""
-    return head_dim in HEAD_DIMS
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in

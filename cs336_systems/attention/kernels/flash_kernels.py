@@ -141,7 +141,8 @@ def _fwd_tile(acc, acc2, l_i, m_i, q, q2, k_base, v_base, k_desc, v_desc, row0, 
         if BLOCK_D2 > 0:
             # V's second tile is loaded before the first tile's P V product, not between the two products:
             # loaded there, Triton 3.6 on Hopper miscompiled the narrow (d 80: 16-wide) product (illegal memory
-            # accesses or wrong outputs on every launch at num_stages=1; docs/flash-attention.md, Section 13).
+            # accesses or wrong outputs on every launch at num_stages=1; docs/flash-attention-experiments.md,
+            # Section 13).
             # The dQ and dK/dV kernels load their second tiles before their products already.
             v2 = _load(v_base + offs_n[:, None] * stride_vn + offs_d2[None, :], offs_n[:, None] < n_keys,
                        offs_d2[None, :] < HEAD_DIM, MASK, BLOCK_D + BLOCK_D2 > HEAD_DIM)

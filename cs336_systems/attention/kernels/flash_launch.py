@@ -12,20 +12,20 @@ descriptors are built per call, so the registered ops that launch them are opaqu
 `triton_op` tracing cannot bind a descriptor argument under torch.compile).
 
 The softmax scales are constexprs: inductor passes Python floats to user kernels as fp64 scalars,
-which once turned every score tile's multiply into fp64 (see docs/flash-attention.md, Section 3).
+which once turned every score tile's multiply into fp64 (see docs/flash-attention-experiments.md, Section 3).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from cs336_systems import switches
 from cs336_systems.attention.kernels import flash_kernels as kernels
 from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, d_tiles, fp32_dot, split_opted_in
 
@@ -80,22 +80,14 @@ def use_tma(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() // t.shape[-1] < 2**31
 
 
-def env_switch(name: str) -> str:
-    """An on/off environment switch: "" (unset: the measured default), "0" or "1"; ValueError otherwise."""
-    value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value
-
-
 def tma_enabled(device: torch.device) -> bool:
     """Whether descriptors may be used on ``device`` at all: an sm_90+ GPU or the interpreter, and not
     forced off by ``CS336_FLASH_TMA=0`` (ValueError for any other value than 0 or 1)."""
-    if env_switch(TMA_ENV) == "0":
+    if switches.read(TMA_ENV) == "0":
         return False
     if device.type == "cuda":
         return capability_major(device) >= 9
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return switches.interpreter_active()
 
 
 def capability_major(device: torch.device) -> int:
@@ -160,15 +152,9 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig, split_head_dim: bo
     forced, since the key-split kernel runs the padded tile, which a configuration chosen for the split width
     need not fit.
     """
-    forced = os.environ.get(SPLITS_ENV)
+    forced = switches.read(SPLITS_ENV)  # a positive integer (ValueError otherwise) or ""
     if forced:
-        try:
-            value = int(forced)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"{SPLITS_ENV} must be a positive integer, got {forced!r}")
-        return value
+        return int(forced)
     if q.device.type != "cuda" or split_head_dim:
         return 1
     programs = triton.cdiv(q.shape[-2], cfg.block_m) * slices(q)
@@ -214,7 +200,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         raise ValueError(f"splits must be >= 1, got {splits}")
     if splits > 1 and tiles[1]:
         # Key splits asked for a split head dim: the key-split kernel has one tile, the padded one (its split
-        # variant was removed after GPU faults at shapes that take it; docs/flash-attention.md, Section 13).
+        # variant was removed after GPU faults at shapes that take it; docs/flash-attention-experiments.md,
+        # Section 13).
         tiles = (block_d(d), 0)
     tma, k_desc, v_desc = _kv_descriptors(k, v, cfg, tma, tiles)
     if splits > 1:
@@ -254,9 +241,9 @@ def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
     ``group_splits`` explicitly); ``CS336_FLASH_GROUP_SPLITS=<n>`` forces n (a divisor of the group).
     """
     group = group_size(q, k)
-    forced = os.environ.get(GROUP_SPLITS_ENV)
+    forced = switches.read(GROUP_SPLITS_ENV)
     if forced:
-        if not forced.isdigit() or int(forced) < 1 or group % int(forced):
+        if group % int(forced):
             raise ValueError(f"{GROUP_SPLITS_ENV} must be a positive divisor of the group size {group}, got {forced!r}")
         return int(forced)
     if group == 1 or q.device.type != "cuda":

@@ -3,12 +3,13 @@
 At the models' short sequences (B 4, N 512) one attention call is tens of microseconds of GPU work, and an
 eager call's host time is what a training step pays: validation, the configuration lookup, the launchers'
 Python (grids, strides, key splits, descriptors) and Triton's JIT launch (argument binding, specialization
-key, cache lookup) cost several times SDPA's whole C++ call (docs/flash-attention.md, Section 9).  All of
-that is a function of the call's signature: shapes, strides, dtypes, the device, ``is_causal``, the
-alignment of the input pointers, the environment switches and the autotune memo.  So the first call of a
-signature runs the launchers under a `Recorder` (an ordinary launch through Triton's JIT that also keeps the
-compiled kernel, the grid and every argument), and later calls of that signature only allocate the outputs
-and hand the recorded arguments, with the new tensors in their slots, to each compiled kernel's launcher:
+key, cache lookup) cost several times SDPA's whole C++ call (docs/flash-attention-experiments.md,
+Section 9).  All of that is a function of the call's signature: shapes, strides, dtypes, the device,
+``is_causal``, the alignment of the input pointers, the environment switches and the autotune memo.  So the
+first call of a signature runs the launchers under a `Recorder` (an ordinary launch through Triton's JIT that
+also keeps the compiled kernel, the grid and every argument), and later calls of that signature only allocate
+the outputs and hand the recorded arguments, with the new tensors in their slots, to each compiled kernel's
+launcher:
 
     plan = Recorder(slots)            # slots: the call's tensors, inputs and freshly allocated outputs
     launch.forward(..., wrap=plan)    # launches as usual, and records each launch
