@@ -3,9 +3,12 @@
 Markers
   gpu            needs CUDA; skipped with a reason when it is absent
   multi_gpu(n)   needs n CUDA devices; skipped otherwise
-  slow           long-running; deselect with -m "not slow"
+  slow           long-running; left out by default (as with -m "not slow"): --run-slow runs them with
+                 the rest, -m slow runs only them.  The default applies when no -m expression is given and no
+                 test is named by id (path::name), which always runs.
 
 Options
+  --run-slow                    also run the tests marked slow (CI's `.ci/run` does)
   --perf-profile=cpu|gpu|full   which benchmarks.json profile perf/ runs (default: gpu if CUDA is
                                 present, else cpu)
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
@@ -68,6 +71,8 @@ pytest_plugins = ["pytester"]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cs336_systems")
+    group.addoption("--run-slow", action="store_true",
+                    help="also run the tests marked slow (left out by default unless -m selects them)")
     group.addoption(
         "--perf-profile", choices=PROFILES, default=None,
         help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
@@ -88,9 +93,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "multi_gpu(n): needs n CUDA devices")
-    config.addinivalue_line("markers", "slow: long-running")
+    config.addinivalue_line("markers", "slow: long-running; left out unless --run-slow or -m selects them")
+    _leave_out_slow_tests_by_default(config)
     config.stash[COMPARED_KEY] = []
     _check_benchmark_json(config)
+
+
+SLOW_LEFT_OUT = pytest.StashKey[bool]()
+
+
+def _leave_out_slow_tests_by_default(config: pytest.Config) -> None:
+    """No -m, no --run-slow and no test named by id: run as if given -m "not slow" (pytest then deselects them
+    and reports the count).  xdist workers parse the same command line, so each decides the same."""
+    if config.getoption("markexpr", "") or config.getoption("--run-slow"):
+        return
+    if any("::" in str(arg) for arg in config.args):
+        return
+    config.option.markexpr = "not slow"
+    config.stash[SLOW_LEFT_OUT] = True
 
 
 def _check_benchmark_json(config: pytest.Config) -> None:
@@ -222,6 +242,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if config.stash.get(SLOW_LEFT_OUT, False) and terminalreporter.stats.get("deselected"):
+        terminalreporter.write_line("tests marked slow were left out (deselected): --run-slow runs them too, "
+                                    "-m slow runs only them")
     covered = config.stash.get(COVERAGE_KEY, None)
     if covered is None:
         return

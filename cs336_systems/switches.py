@@ -121,10 +121,10 @@ def active(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def unknown(environ: dict[str, str] | None = None) -> dict[str, str | None]:
-    """Each set ``CS336_FLASH_*`` variable that is not registered -> the closest registered name (or None)."""
+    """Each set ``CS336_FLASH_*`` variable that is not registered -> the closest registered name."""
     env = os.environ if environ is None else environ
     names = list(REGISTRY)
-    return {name: (difflib.get_close_matches(name, names, n=1, cutoff=0.5) or [None])[0]
+    return {name: (difflib.get_close_matches(name, names, n=1, cutoff=0.0) or [None])[0]
             for name in sorted(env) if name.startswith(FLASH_PREFIX) and name not in REGISTRY}
 
 
@@ -138,8 +138,8 @@ def warn_unknown(environ: dict[str, str] | None = None) -> None:
         if name in _warned:
             continue
         _warned.add(name)
-        hint = f"; did you mean {closest}?" if closest else ""
-        warnings.warn(f"{name} is set but is not a cs336_systems switch and has no effect{hint}", stacklevel=2)
+        warnings.warn(f"{name} is set but is not a cs336_systems switch and has no effect; did you mean {closest}?",
+                      stacklevel=2)
 
 
 def interpreter_active() -> bool:

@@ -254,6 +254,8 @@ _register_builtin()
 _LAZY = {
     "FlashAttentionPytorch": "cs336_systems.attention.flash_pytorch",
     "FlashAttentionTriton": "cs336_systems.attention.flash_triton",
+    "flash_attention": "cs336_systems.attention.flash_triton",
+    "FlashOptions": "cs336_systems.attention.plan",
 }
 
 
@@ -265,5 +267,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AttentionImpl", "FlashAttentionPytorch", "FlashAttentionTriton", "attention", "available",
-           "check_available", "check_inputs", "get", "names", "register"]
+__all__ = ["AttentionImpl", "FlashAttentionPytorch", "FlashAttentionTriton", "FlashOptions", "attention", "available",
+           "check_available", "check_inputs", "flash_attention", "get", "names", "register"]

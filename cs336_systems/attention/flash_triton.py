@@ -23,30 +23,28 @@ query rows and stores it, then a dK/dV kernel (K, V resident, loop over query ti
 launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
-asynchronous warpgroup MMAs: the forward at d 80, 96, 128 and 256 (`kernels/flash_fwd_hopper`; at d 128
-the warp-specialized `kernels/flash_fwd_hopper_ws`), dQ at d 80, 96 and 256, at d 128 without the
-causal mask, and causal at d 64 and 128 from 2048 queries up to 4096 / 8192 (`kernels/flash_dq_hopper`),
-and dK/dV at d 64, 80, 96, 128 and 256
-(`kernels/flash_dkdv_hopper`; 80 and 96 in 128-wide tiles), where their `usable` rules say they measured
-faster; same inputs and outputs, same saved L and delta; eager calls and the custom ops only
-(`_inductor_path`).  At d 64 and 128 the whole backward may instead be one fused Gluon pass
-(`kernels/flash_bwd_hopper`: five tile products instead of seven, dQ summed in float32 by TMA reductions,
-so dQ is not bitwise reproducible run to run; causal from 4096 / 1024 queries with a program per SM,
-without the mask from 1024 / 4096), which replaces both backward launches.  ``CS336_FLASH_HOPPER_FWD``
-(forward) / ``CS336_FLASH_HOPPER_BWD`` (every Gluon backward kernel) / ``CS336_FLASH_FUSED_BWD`` (the fused
-backward): ``0`` never, ``1`` wherever the inputs allow (docs/flash-attention.md, Sections 8 and 14).
+asynchronous warpgroup MMAs (`kernels/flash_fwd_hopper`, `_fwd_hopper_ws`, `_dq_hopper`, `_dkdv_hopper`), or
+the whole backward one fused Gluon pass (`kernels/flash_bwd_hopper`: five tile products instead of seven, dQ
+summed in float32 by TMA reductions, so dQ is not bitwise reproducible run to run).  Which kernels run is
+decided in one place, `cs336_systems.attention.plan.plan` (its table `RULES` holds every size rule with its
+reason and measurement; `cs336-flash-autotune --explain B,H,N,d` prints the plan for a shape), from the
+call's sizes, the device and the options (`plan.FlashOptions`, given to `flash_attention`; the
+``CS336_FLASH_*`` switches of `cs336_systems.switches` override them, for debugging).
 
-Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd) the launches
-are registered operators, chosen once per traced shape (`_inductor_path`):
-  * `torch.library.triton_op`s (cs336::flash_attn_fwd_inductor / _bwd_inductor) launching through
-    `wrap_triton` wherever no TMA descriptor is wanted (the shape's configuration loads K/V with pointers,
-    K/V are strided views, a pre-Hopper GPU or CS336_FLASH_TMA=0): inductor traces them into its graph and
-    launches the kernels with its own launcher, so a call pays no custom-op dispatch or Triton JIT binding;
-  * opaque operators (cs336::flash_attn_fwd / _bwd, a `torch.library.Library` fragment with fake (shape-only)
-    kernels) where descriptors are wanted or a Gluon kernel would run (its `fits` rule): on Hopper those
-    launches take host-side TMA descriptors, which torch 2.11 cannot trace inside a `triton_op`
-    (docs/flash-attention.md, Sections 3, 6 and 14); the price is the operators' dispatch and Python on the
-    host, not device time.
+Under tracing (`torch.compile(FlashAttentionTriton.apply, fullgraph=True)`, AOTAutograd, a dispatch mode)
+the Function calls two `torch.library.triton_op`s (cs336::flash_attn_fwd_inductor / _bwd_inductor), whose
+bodies run as plain Python while the graph is traced and ask the plan for the traced path:
+  * "triton_op": the portable kernels, launched through `wrap_triton` with pointer loads: inductor traces
+    them into its graph and launches them with its own launcher, so a call pays no custom-op dispatch or
+    Triton JIT binding (the models' short sequences);
+  * "custom_op": the opaque operators cs336::flash_attn_fwd / _bwd (a `torch.library.Library` fragment with
+    fake (shape-only) kernels), which plan each call on its concrete sizes and launch what an eager call
+    launches: where a Gluon kernel runs or the portable configuration wants TMA descriptors (torch 2.11
+    cannot trace host-side descriptors inside a `triton_op`), under the interpreter, and wherever the
+    traced sizes are symbolic (automatic dynamic shapes after a shape change, ``dynamic=True``,
+    ``mark_dynamic``): one graph then serves every size, each call with the kernels of its size.
+    The price is the operators' dispatch and Python on the host, not device time
+    (docs/flash-attention-experiments.md, Sections 3, 6, 13 and 14).
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
 dispatch: at small sizes that dispatch is most of the call.  From the second eager call of a signature
 (shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, its kernels'

@@ -228,3 +228,30 @@ def test_the_docs_tables_are_generated_from_the_rules_and_the_registry():
         assert start in doc and end in doc, name
         assert doc.split(start)[1].split(end)[0].strip() == table, (
             f"docs/flash-attention.md's {name} is stale: run `cs336-flash-autotune --write-docs`")
+
+
+def test_explain_command(capsys, tmp_path):
+    from cs336_systems import flash_autotune as cli
+
+    assert cli.main(["--explain", "1,16,16384,64", "--device", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "problem: B 1, H 16, Nq 16384, Nk 16384, d 64, bfloat16, causal" in out and "backward: fused" in out
+    assert cli.main(["--explain", "2,32,4096,128", "--kv-heads", "8", "--no-causal", "--dtype", "fp16",
+                     "--device", "H100"]) == 0
+    assert "H 32/8" in capsys.readouterr().out
+    for bad, message in ((["--explain", "1,16,64"], "expected B,H,N,d"),
+                         (["--explain", "1,16,64,64", "--kv-heads", "3", "--device", "H200"], "--kv-heads must divide"),
+                         (["--explain", "1,16,64,64", "--device", "V100"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            cli.main(bad)
+        assert message in capsys.readouterr().err
+    doc = tmp_path / "doc.md"
+    doc.write_text("a\n<!-- plan-table:start -->\nold\n<!-- plan-table:end -->\nb\n"
+                   "<!-- switches-table:start -->\n<!-- switches-table:end -->\n")
+    assert cli.main(["--write-docs", str(doc)]) == 0
+    text = doc.read_text()
+    assert "old" not in text and planning.rules_table() in text and switches.markdown_table() in text
+    doc.write_text("no markers")
+    with pytest.raises(SystemExit):
+        cli.main(["--write-docs", str(doc)])
+    assert "plan-table:start" in capsys.readouterr().err
