@@ -18,6 +18,9 @@ Each worker gets ``cpus // workers`` intra-op threads (torch, and OpenMP in the 
 with every core already running a worker, more threads only contend.  Once collected, what a process has
 imported is frozen out of the garbage collector (`pytest_collection_finish`).
 
+Hypothesis: the ``dev`` profile by default, ``thorough`` (each property test's full example count, as CI runs)
+with ``CS336_HYPOTHESIS_PROFILE=thorough`` or ``--hypothesis-profile=thorough``; see tests/hypothesis_profiles.py.
+
 The ``perf_session`` fixture runs an isolated pytest session (a perf/ suite built from the project's
 conftest files) inside this process: a fresh interpreter would import torch again, seconds per session.
 """
@@ -32,6 +35,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+import hypothesis_profiles
 
 TESTS = Path(__file__).resolve().parent
 
@@ -112,6 +117,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # before any test module is collected: their @settings read the profile's scale (--hypothesis-profile wins)
+    if config.getoption("hypothesis_profile", None) is None:
+        try:
+            hypothesis_profiles.load_from_environment()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

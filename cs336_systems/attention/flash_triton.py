@@ -457,19 +457,21 @@ def _forward_call(q, k, v, is_causal, eager: bool, options: str = ""):
     return o, lse, key, False
 
 
-def _options_text(options: FlashOptions | None) -> str:
+def _options_text(options: FlashOptions | str | None) -> str:
     if options is None:
         return ""
+    if isinstance(options, str):  # already `FlashOptions.text` (a constant a compiled graph can hold)
+        return options
     if not isinstance(options, FlashOptions):
-        raise ValueError(f"options must be a FlashOptions or None; got {options!r}")
+        raise ValueError(f"options must be a FlashOptions, its text, or None; got {options!r}")
     return options.text()
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                    options: FlashOptions | None = None) -> torch.Tensor:
+                    options: FlashOptions | str | None = None) -> torch.Tensor:
     """``FlashAttentionTriton.apply(q, k, v, is_causal, options.text())`` (shapes in the module docstring): the
-    registry's "flash-triton" entry.  ``options``: explicit kernel choices (`plan.FlashOptions`; the
-    environment's ``CS336_FLASH_*`` switches override them, for debugging).
+    registry's "flash-triton" entry.  ``options``: explicit kernel choices (`plan.FlashOptions`, or its
+    `text`; the environment's ``CS336_FLASH_*`` switches override them, for debugging).
 
     An eager call that records no autograd graph (grad mode off, or no input that requires grad: a forward
     under ``torch.no_grad()``, as in inference and the forward benchmarks) skips the autograd.Function, whose
@@ -478,7 +480,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     the Function's (`_forward_call`).  A call that records a graph, a traced call, a tensor subclass, an open
     forward-mode dual level or a functorch transform goes through the Function.
     """
-    text = "" if options is None else _options_text(options)
+    text = _options_text(options)
     if (type(k) is torch.Tensor and type(v) is torch.Tensor and _eager(q) and not _other_autodiff()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return _forward_call(q, k, v, is_causal, True, text)[0]

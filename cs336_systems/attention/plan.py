@@ -199,7 +199,9 @@ class FlashOptions:
         for part in text.split(","):
             name, _, value = part.partition("=")
             if name == "tma":
-                fields["tma"] = value != "off"
+                if value not in ("on", "off"):
+                    raise ValueError(f"flash option tma must be on or off; got {value!r} in {text!r}")
+                fields["tma"] = value == "on"
             elif name in ("hopper_fwd", "hopper_bwd", "fused_bwd"):
                 fields[name] = value
             else:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cs336_systems.amp import PRECISIONS
+from cs336_systems.attention.plan import FlashOptions
 from cs336_systems.bench.workloads.attention import DTYPES as ATTENTION_DTYPES
 from cs336_systems.bench.workloads.attention import MODES as ATTENTION_MODES
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
@@ -93,6 +94,17 @@ def _string(value: object, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise MatrixError(f"{where}: expected a non-empty string, got {value!r}")
     return value
+
+
+def _flash_options(value: object, where: str) -> str:
+    """flash-triton's explicit kernel choices as `FlashOptions.text` ("" for the plan's defaults), e.g.
+    "fused_bwd=off" or "hopper_fwd=on,tma=off"."""
+    if not isinstance(value, str):
+        raise MatrixError(f"{where}: expected a FlashOptions string such as \"fused_bwd=off\", got {value!r}")
+    try:
+        return FlashOptions.parse(value).text()
+    except (TypeError, ValueError) as exc:
+        raise MatrixError(f"{where}: {exc}") from None
 
 
 def _optional(check: Validator) -> Validator:
@@ -188,6 +200,9 @@ _ATTENTION_GRID = {
     "causal": Key(_boolean, axis=True),
     "modes": Key(_one_of(ATTENTION_MODES), axis=True),
     "compile": Key(_boolean, axis=True, required=False, default=[False]),
+    # flash-triton's kernel choices passed explicitly (`cs336_systems.attention.plan.FlashOptions`), for A/B
+    # runs in one session; "" (the default): the plan's rules.  Other implementations ignore it.
+    "flash_options": Key(_flash_options, axis=True, required=False, default=[""]),
     "flush_l2": Key(_boolean, axis=False, required=False, default=False),
     "timings": Key(_one_of(("host", "device", "graph")), axis=True, required=False, default=["host"]),
     "warmup": Key(_non_negative_int, axis=False),
@@ -286,6 +301,7 @@ _SINGULAR = {
     "variants": "variant",
     "bucket_sizes_mb": "bucket_size_mb",
     "timings": "timing",
+    "flash_options": "flash_options",
 }
 
 
@@ -300,7 +316,7 @@ _ID_FORMAT = (
     ("causal", None), ("compile", None), ("cuda_graphs", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
-    ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
+    ("flash_options", "opts-{}"), ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
 )
 
 
@@ -328,6 +344,9 @@ def case_id(case: dict) -> str:
         elif key == "timing":
             if case[key] != "host":  # the default keeps the ids saved before timings existed
                 parts.append(f"{case[key]}time")
+        elif key == "flash_options":
+            if case[key]:  # the defaults keep the ids saved before the axis
+                parts.append(fmt.format(case[key]))
         else:
             parts.append(fmt.format(case[key]))
     return "-".join(parts)

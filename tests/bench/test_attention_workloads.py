@@ -277,7 +277,7 @@ def test_case_flops_and_step_arguments():
         4 * 2 * 128 * 128 * 64 * 2.5)
     assert attention_workloads.step_arguments(case) == dict(
         impl="naive", batch_size=2, heads=4, kv_heads=None, seq_len=128, head_dim=64, dtype="bf16", causal=True,
-        mode="forward-backward", compile=True)
+        mode="forward-backward", compile=True, flash_options="")
     # grouped-query attention: the FLOPs are the query heads' (each K/V head serves its group)
     assert attention_workloads.case_flops(case | {"kv_heads": 1}) == expected
     assert attention_workloads.step_arguments(case | {"kv_heads": 2})["kv_heads"] == 2
@@ -325,3 +325,27 @@ def test_cuda_backward_records_memory_in_use_before_backward():
     # inputs, dO, the output and naive's saved (B, N, N) scores and probabilities are all in use
     assert metrics["memory_before_backward_gib"] * 2**30 >= 2 * 2 * 1024 * 1024 * 4
     step()
+
+
+def test_flash_options_axis_passes_explicit_choices_to_flash_triton():
+    """benchmarks.json's "flash_options" axis (FlashOptions text) reaches flash-triton as explicit options and
+    shows in the case id; the defaults keep the ids of before; bad strings and other implementations fail."""
+    from cs336_systems.bench import matrix
+
+    grid = {"impls": ["flash-triton"], "batch_sizes": [1], "seq_lens": [64], "head_dims": [16], "dtypes": ["fp32"],
+            "causal": [True], "modes": ["forward"], "flash_options": ["", "fused_bwd=off"], "warmup": 1,
+            "rounds": 1}
+    ids = [matrix.case_id(c) for c in matrix._expand(matrix._validate_grid(grid, matrix._ATTENTION_GRID, "grid"))]
+    assert ids == ["flash-triton-b1-n64-d16-forward-fp32-causal-eager-w1",
+                   "flash-triton-b1-n64-d16-forward-fp32-causal-eager-opts-fused_bwd=off-w1"]
+    fn = attention_workloads.attention_function("flash-triton", flash_options="fused_bwd=off")
+    q = torch.randn(1, 2, 64, 16)
+    torch.testing.assert_close(fn(q, q, q, True), torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    with pytest.raises(ValueError, match="unknown flash option 'fused'"):
+        attention_workloads.attention_function("flash-triton", flash_options="fused=off")
+    with pytest.raises(ValueError, match="flash_options apply to impl 'flash-triton' only; got impl 'naive'"):
+        attention_workloads.attention_function("naive", flash_options="fused_bwd=off")
+    with pytest.raises(matrix.MatrixError, match="unknown flash option 'fused'"):
+        matrix._flash_options("fused=on", "flash_options")
+    with pytest.raises(matrix.MatrixError, match="flash option tma must be on or off"):
+        matrix._flash_options("tma=no", "flash_options")

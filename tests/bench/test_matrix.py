@@ -218,7 +218,7 @@ def test_attention_grid_expands_with_defaults():
     cases = matrix.parse(data).cases("flash", "cpu")
     assert cases[0] == {"impl": "naive", "batch_size": 2, "heads": None, "kv_heads": None, "seq_len": 8, "head_dim": 4,
                         "dtype": "fp32", "causal": True, "mode": "backward", "compile": False,
-                        "flush_l2": False, "timing": "host", "warmup": 1, "rounds": 2, "group": "default"}
+                        "flash_options": "", "flush_l2": False, "timing": "host", "warmup": 1, "rounds": 2, "group": "default"}
     assert [c["seq_len"] for c in cases] == [8, 16]
     grid["heads"] = [None, 4]
     assert [c["heads"] for c in matrix.parse(data).cases("flash", "cpu")] == [None, None, 4, 4]

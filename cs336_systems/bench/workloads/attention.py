@@ -78,6 +78,7 @@ from collections.abc import Callable
 import torch
 
 from cs336_systems import attention
+from cs336_systems.attention.plan import FlashOptions
 from cs336_systems.bench import flops
 
 MODES = ("forward", "backward", "forward-backward")
@@ -147,13 +148,27 @@ def step_arguments(case: dict) -> dict:
     return dict(
         impl=case["impl"], batch_size=case["batch_size"], heads=case.get("heads"), kv_heads=case.get("kv_heads"),
         seq_len=case["seq_len"], head_dim=case["head_dim"], dtype=case["dtype"], causal=case["causal"],
-        mode=case["mode"], compile=case.get("compile", False),
+        mode=case["mode"], compile=case.get("compile", False), flash_options=case.get("flash_options", ""),
     )
 
 
-def attention_function(impl: str, *, compile: bool = False) -> Callable[..., torch.Tensor]:
-    """The registered ``fn(q, k, v, is_causal)`` of ``impl``, optionally under torch.compile(fullgraph=True)."""
-    fn = attention.get(impl).fn
+def attention_function(impl: str, *, compile: bool = False, flash_options: str = "") -> Callable[..., torch.Tensor]:
+    """The registered ``fn(q, k, v, is_causal)`` of ``impl``, optionally under torch.compile(fullgraph=True);
+    ``flash_options`` (`FlashOptions.text`): flash-triton's explicit kernel choices (other implementations
+    take none: ValueError)."""
+    registered = attention.get(impl).fn
+    if not flash_options:
+        fn = registered
+    elif impl != "flash-triton":
+        raise ValueError(f"flash_options apply to impl 'flash-triton' only; got impl {impl!r} with "
+                         f"flash_options {flash_options!r}")
+    else:
+        from cs336_systems.attention.flash_triton import flash_attention  # (imports Triton: only when asked)
+
+        text = FlashOptions.parse(flash_options).text()  # a bad string fails here, naming itself
+
+        def fn(q, k, v, is_causal=False):  # the options string is a constant of the compiled graph
+            return flash_attention(q, k, v, is_causal, text)
     if compile:
         torch._dynamo.reset()
         fn = torch.compile(fn, fullgraph=True, dynamic=False)
@@ -426,6 +441,7 @@ def attention_step(
     causal: bool = False,
     mode: str = "forward",
     compile: bool = False,
+    flash_options: str = "",
     device: torch.device | str = "cpu",
     seed: int = 0,
     check: bool = True,
@@ -442,7 +458,7 @@ def attention_step(
     device = torch.device(device)
     metrics = {} if metrics is None else metrics
     torch._dynamo.reset()  # every case compiles from scratch (naive-compiled, compile=True)
-    fn = attention_function(impl, compile=compile)
+    fn = attention_function(impl, compile=compile, flash_options=flash_options)
     q, k, v, grad_out = random_inputs(
         qkv_shape(batch_size, heads, seq_len, head_dim), torch_dtype, device, requires_grad=mode != "forward",
         seed=seed, kv=kv_shape(batch_size, heads, kv_heads, seq_len, head_dim),
