@@ -46,9 +46,12 @@ def zhn(*tensors):
 strides = zhn("q", "k", "v")
 bf16 = "*bf16"
 
+compiled_names = []
+
 def compile_(fn, pointers, ints, scales):
     if only is not None and fn.__name__ != only:
         return
+    compiled_names.append(fn.__name__)
     names = set(fn.arg_names)
     const = {n: c for n, c in consts.items() if n in names}
     sig = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in const}}
@@ -74,6 +77,8 @@ compile_(kernels.flash_fwd_split_kernel, {"Q": bf16, "K": bf16, "V": bf16, "O_PA
          strides + ["n_queries", "n_keys", "heads", "group"], ["qk_scale"])
 compile_(kernels.flash_fwd_combine_kernel, {"O_PART": "*fp32", "L_PART": "*fp32", "O": bf16, "L": "*fp32"},
          zhn("o") + ["n_queries", "heads"], [])
+if not compiled_names:  # a misspelled name would otherwise pass having compiled nothing
+    sys.exit(f"no kernel named {only}")
 print("compiled")
 """
 
