@@ -99,18 +99,36 @@ def pytest_configure(config: pytest.Config) -> None:
     _check_benchmark_json(config)
 
 
-SLOW_LEFT_OUT = pytest.StashKey[bool]()
+SLOW_LEFT_OUT = pytest.StashKey[int]()  # how many tests marked slow the default left out
 
 
 def _leave_out_slow_tests_by_default(config: pytest.Config) -> None:
-    """No -m, no --run-slow and no test named by id: run as if given -m "not slow" (pytest then deselects them
-    and reports the count).  xdist workers parse the same command line, so each decides the same."""
+    """No -m, no --run-slow and no test named by id: the tests marked slow are deselected after collection (as
+    with -m "not slow").  xdist workers parse the same command line, so each decides the same."""
     if config.getoption("markexpr", "") or config.getoption("--run-slow"):
         return
     if any("::" in str(arg) for arg in config.args):
         return
-    config.option.markexpr = "not slow"
-    config.stash[SLOW_LEFT_OUT] = True
+    config.stash[SLOW_LEFT_OUT] = 0
+
+
+def _deselect_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if not slow:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    config.hook.pytest_deselected(items=slow)
+    config.stash[SLOW_LEFT_OUT] = len(slow)
+    if hasattr(config, "workeroutput"):  # an xdist worker: it collects, the controller prints the summary
+        config.workeroutput["slow_left_out"] = len(slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    config = node.config
+    if SLOW_LEFT_OUT in config.stash:  # every worker collects (and deselects) the same tests
+        config.stash[SLOW_LEFT_OUT] = max(config.stash[SLOW_LEFT_OUT],
+                                          getattr(node, "workeroutput", {}).get("slow_left_out", 0))
 
 
 def _check_benchmark_json(config: pytest.Config) -> None:
@@ -142,7 +160,10 @@ def perf_profile(config: pytest.Config) -> str:
     return config.getoption("--perf-profile") or machine.default_profile()
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m: the count of slow tests left out is of those they kept
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SLOW_LEFT_OUT in config.stash:
+        _deselect_slow(config, items)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if item.get_closest_marker("gpu") and n_gpus == 0:
@@ -242,9 +263,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if config.stash.get(SLOW_LEFT_OUT, False) and terminalreporter.stats.get("deselected"):
-        terminalreporter.write_line("tests marked slow were left out (deselected): --run-slow runs them too, "
-                                    "-m slow runs only them")
+    left_out = config.stash.get(SLOW_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} test{'s' * (left_out != 1)} marked slow left out: --run-slow runs "
+                                    "them too, -m slow only them")
     covered = config.stash.get(COVERAGE_KEY, None)
     if covered is None:
         return

@@ -19,7 +19,7 @@ with every core already running a worker, more threads only contend.  Once colle
 imported is frozen out of the garbage collector (`pytest_collection_finish`).
 
 Hypothesis: the ``dev`` profile by default, ``thorough`` (each property test's full example count, as CI runs)
-with ``CS336_HYPOTHESIS_PROFILE=thorough`` or ``--hypothesis-profile=thorough``; see tests/hypothesis_profiles.py.
+with ``HYPOTHESIS_PROFILE=thorough`` or ``--hypothesis-profile=thorough``; see tests/hypothesis_profiles.py.
 
 The ``perf_session`` fixture runs an isolated pytest session (a perf/ suite built from the project's
 conftest files) inside this process: a fresh interpreter would import torch again, seconds per session.

@@ -1,6 +1,7 @@
 """Hypothesis example counts by profile, for the property tests under tests/.
 
-A property test that runs without a GPU names the number of examples a thorough run draws, through
+A property test whose examples are costly (the attention kernels against float64: up to a second per example in
+Triton's interpreter or under torch.compile) names the number of examples a thorough run draws, through
 `max_examples`, and the profile in force scales it:
 
     @settings(max_examples=max_examples(25), deadline=None)
@@ -10,12 +11,15 @@ A property test that runs without a GPU names the number of examples a thorough 
   thorough   every count as named, and Hypothesis's own 100 for a test that names none: what CI runs
              (`.ci/run`)
 
-Select one with ``CS336_HYPOTHESIS_PROFILE=thorough`` (tests/conftest.py imports this module, which registers
+Select one with ``HYPOTHESIS_PROFILE=thorough`` (tests/conftest.py imports this module, which registers
 both and loads that one before any test module is collected), or with Hypothesis's own
 ``--hypothesis-profile=thorough``.  The scale is read from the loaded profile's max_examples (over
-Hypothesis's default of 100), so both ways agree.  Explicit ``@example`` cases run under every profile.
+Hypothesis's default of 100), so both ways agree.  Explicit ``@example`` cases run under every profile.  The
+variable is the test suite's, not one of the package's CS336_ switches (cs336_systems/switches.py): it takes the
+name Hypothesis's documentation gives it.
 
-GPU tests keep fixed counts: they run only where a GPU is, and the GPU workflow runs the default profile.
+Cheap property tests keep fixed counts (their full count costs well under a second), and so do GPU tests: they
+run only where a GPU is, and the GPU workflow runs the default profile.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import os
 
 from hypothesis import settings
 
-PROFILE_ENV = "CS336_HYPOTHESIS_PROFILE"
+PROFILE_ENV = "HYPOTHESIS_PROFILE"
 THOROUGH = 100  # Hypothesis's default max_examples: the scale at which counts are used as named
 PROFILES = {"dev": 40, "thorough": THOROUGH}
 FEWEST = 2  # a scaled count still draws more than one example (the named count permitting)
@@ -35,7 +39,7 @@ for _name, _count in PROFILES.items():
 
 
 def load_from_environment() -> str:
-    """Load the profile ``CS336_HYPOTHESIS_PROFILE`` names (unset or empty: dev); ValueError for another name."""
+    """Load the profile ``HYPOTHESIS_PROFILE`` names (unset or empty: dev); ValueError for another name."""
     name = os.environ.get(PROFILE_ENV) or "dev"
     if name not in PROFILES:
         raise ValueError(f"{PROFILE_ENV} must be one of {', '.join(PROFILES)} (or unset), got {name!r}")
@@ -43,9 +47,10 @@ def load_from_environment() -> str:
     return name
 
 
-def max_examples(thorough: int) -> int:
-    """The number of examples to draw for a test that draws ``thorough`` in a thorough run."""
+def max_examples(thorough: int, profile: settings | None = None) -> int:
+    """The number of examples to draw, under ``profile`` (default: the loaded one), for a test that draws
+    ``thorough`` in a thorough run."""
     if thorough < 1:
         raise ValueError(f"max_examples: thorough must be >= 1, got {thorough}")
-    scaled = math.ceil(thorough * settings.default.max_examples / THOROUGH)
+    scaled = math.ceil(thorough * (profile or settings.default).max_examples / THOROUGH)
     return max(scaled, min(thorough, FEWEST))

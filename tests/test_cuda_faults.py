@@ -36,9 +36,11 @@ def _project(pytester, fault):
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_a_fault_stops_a_session_without_xdist(pytester, fault):
+def test_a_fault_stops_a_session_without_xdist(pytester, perf_session, fault):
     _project(pytester, fault)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    # in this process (a fresh interpreter would spend seconds importing torch): the hook takes the same path,
+    # the session's config being no xdist worker's
+    result = perf_session("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1, failed=2)  # b failed as usual and the session went on; d never ran
     result.stdout.fnmatch_lines(["*CUDA context lost in test_kernels.py::test_c_fault (*): the tests after it "
                                  "cannot use the GPU in this process*"])

@@ -163,10 +163,10 @@ def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...], o
     if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
             or type(tensors[0]) is not torch.Tensor or not tensors[0].is_cuda):
         return None  # (before asking CUDA for its current device: a CPU call gets validation's ValueError)
-    switches = _switches()
-    if _replays_off(switches[0]) or not hooks_idle():
+    env = _switches()
+    if _replays_off(env[0]) or not hooks_idle():
         return None
-    key = [kind, options, is_causal, torch.cuda.current_device(), flash_autotune.generation, switches]
+    key = [kind, options, is_causal, torch.cuda.current_device(), flash_autotune.generation, env]
     ptrs = []
     for t in tensors:  # a plain loop over one flat list: half the time of per-field tuples (~2 us a call)
         if type(t) is not torch.Tensor or not t.is_cuda:

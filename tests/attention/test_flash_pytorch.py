@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import max_examples
 
 from cs336_systems.attention import flash_pytorch
 from cs336_systems.attention.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
@@ -121,7 +122,7 @@ lengths = st.integers(1, 150)
 tiles = st.sampled_from([None, (16, 16, 16), (16, 48, 32), (64, 32, 64)])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=max_examples(25), deadline=None)
 @given(
     lead=leads,
     nq=lengths,
@@ -140,7 +141,7 @@ def test_float32_matches_float64_reference(lead, nq, nk, d, is_causal, q_scale, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=max_examples(5), deadline=None)
 @given(
     lead=st.lists(st.integers(1, 2), min_size=1, max_size=2).map(tuple),
     nq=st.integers(1, 100),

@@ -83,10 +83,11 @@ print("compiled")
 """
 
 
-# The widest tiles take 15-20 s each to compile (ptxas on 192- and 256-wide register tiles): marked slow, so
-# that the default run leaves them to CI (`pytest tests/ --run-slow`).  The narrower cases keep each code path
-# in the default run: descriptors and pointers, causal and full, a padded and a split head dim (80).
-WIDE = pytest.mark.slow
+# The widest tiles take 15-20 s each to compile (ptxas on 192- and 256-wide register tiles), d 80 with
+# descriptors (its tiles padded to 128) 10 s: marked slow, so that the default run leaves them to CI
+# (`pytest tests/ --run-slow`).  The default run keeps each code path: descriptors (with and without the band)
+# and pointers, causal and full (d 64), the split tiles (d 80: 64 + 16) and the two-pass dK/dV variants.
+SLOW_COMPILE = pytest.mark.slow
 
 
 # loads: pointers, descriptors for the unmasked tiles, for every tile; head dim 80 with descriptors runs
@@ -94,8 +95,8 @@ WIDE = pytest.mark.slow
 # and 256 in 256-wide register tiles.
 @pytest.mark.parametrize("causal, loads, head_dim", [
     (causal, loads, 64) for causal in ("causal", "full") for loads in ("pointers", "tma", "tma-band")
-] + [("causal", "tma-band", 80), ("causal", "pointers", 80), pytest.param("full", "pointers", 192, marks=WIDE),
-     pytest.param("full", "tma", 256, marks=WIDE)])
+] + [pytest.param("causal", "tma-band", 80, marks=SLOW_COMPILE), ("causal", "pointers", 80),
+     pytest.param("full", "pointers", 192, marks=SLOW_COMPILE), pytest.param("full", "tma", 256, marks=SLOW_COMPILE)])
 def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
     _compile(causal, loads, head_dim, part=0)
 
@@ -104,7 +105,8 @@ def test_kernels_compile_for_sm90_without_float64(causal, loads, head_dim):
 # kernel is compiled (the others are the causal pointer-load case above); at d = 192 (split: 64 + 128) and 256
 # every kernel, which also compiles the causal pointer-load forward and dQ at those widths.
 @pytest.mark.parametrize("part", [1, 2])
-@pytest.mark.parametrize("head_dim", [64, pytest.param(192, marks=WIDE), pytest.param(256, marks=WIDE)])
+@pytest.mark.parametrize("head_dim", [64, pytest.param(192, marks=SLOW_COMPILE),
+                                      pytest.param(256, marks=SLOW_COMPILE)])
 def test_two_pass_dkdv_variants_compile_for_sm90(part, head_dim):
     _compile("causal", "pointers", head_dim, part=part, only="flash_bwd_dkdv_kernel" if head_dim == 64 else None)
 

@@ -28,8 +28,8 @@ Every product's A operand is a register tile or a shared slice, so a consumer ho
 registers a thread each at d 64, 32 at d 128), dK and dV (32 each at d 64, 64 at d 128) and its dQ part (32)
 at 232-240 registers (`REGS`).  P^T is rounded
 before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
-kernel took 4.54 against 3.45 ms at the leaderboard (docs/flash-attention.md, Section 8).  The dS tile is
-double-buffered; its stages and the ring's are released by mbarriers that both consumers arrive at.  The
+kernel ran far slower (docs/flash-attention-experiments.md, Section 8).  The dS tile is double-buffered; its
+stages and the ring's are released by mbarriers that both consumers arrive at.  The
 consumers share the dS tiles but never wait for each other within a step: each takes the dQ of the step
 before, whose tile the other consumer filled a step earlier, so they drift apart (one's exponentials under
 the other's products) instead of meeting every step.
@@ -42,8 +42,8 @@ ones masked besides ragged last steps.  Keys past Nk are zero-filled by TMA and 
 block (their dK / dV rows are clipped by the stores).  Grouped-query attention: the step loop runs over
 the group's heads in turn, so dK and dV sum over the group without atomics.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `supported_here`, descriptors and layouts
-it shares).
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and layouts it shares); where
+it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ BLOCK_N = 128  # keys per program: two consumers of 64
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
 BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
-DS_STAGES = 2  # one stage measured 3.78 against 3.45 ms at the leaderboard
+DS_STAGES = 2  # one stage measured slower (docs/flash-attention-experiments.md, Section 8)
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
 # by `setmaxnreg`: 240 for the worker consumer warpgroup and 32 for the workers' warpgroup; the first
 # consumer (the default partition) gets what is left, 168 x 3 - 240 - 32 = 232
@@ -261,9 +261,10 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         gl.thread_barrier()
         mbarrier.arrive(ds_full.index(db), count=1)
         # dQ of the previous step: its dS tile is complete unless the other consumer is a step behind, so the
-        # consumers need not meet every step (the same step's dQ, which makes them meet, measured 3.46 against
-        # 3.29 ms at the leaderboard).  At t = 0 the product runs on the other dS stage without waiting and its
-        # result is dropped (branch-free: the accumulators keep one type through the loop).
+        # consumers need not meet every step (the same step's dQ, which makes them meet, measured slower;
+        # docs/flash-attention-experiments.md, Section 8).  At t = 0 the product runs on the other dS stage
+        # without waiting and its result is dropped (branch-free: the accumulators keep one type through the
+        # loop).
         dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0, HEAD_DIM)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
@@ -378,7 +379,7 @@ def _accumulator_descriptor(dqa: torch.Tensor):
 
 
 def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
-    """dq (q's shape, unit stride on d), dk, dv (like k, v; `usable` strides) written in place, and delta;
+    """dq (q's shape, unit stride on d), dk, dv (like k, v; TMA strides) written in place, and delta;
     lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, d) contiguous float32 (overwritten).
     ``wrap``: `flash_launch.direct`, or a `flash_replay.Recorder` recording the three launches."""
     z, heads, n_q, d = q.shape

@@ -16,7 +16,7 @@ efficiency decides.  `ShapeKey` buckets exactly those parameters.
 
 Choice, first match wins (`flash_autotune.select`):
   1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
-  2. `TUNED`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.flash_autotune`
+  2. `TUNED_SM90`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.flash_autotune`
      and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one, and a
      split head-dim width with no entries of its own (d = 80 runs 64 + 16 columns) its padded width's (128);
   3. `default_config`: a conservative heuristic that fits every NVIDIA GPU from sm_80 on.
@@ -53,17 +53,15 @@ def block_d(head_dim: int) -> int:
 SPLIT_D_ENV = "CS336_FLASH_SPLIT_D"
 
 # Two-tile layouts (BLOCK_D, BLOCK_D2): the orders that ran clean on an H100 (Triton 3.6) when each kernel was
-# compared alone with float64 under compute-sanitizer at 7 tile configurations; a 64-wide first tile with a
-# 32-wide second (d 88, 96) or a masked 16-wide one (d 72) gave wrong forward scores and out-of-bounds shared
-# memory reads in Triton's wgmma code there.  Head dims not listed keep the padded tile.
+# compared alone with float64 under compute-sanitizer; a 64-wide first tile with a 32-wide second (d 88, 96) or
+# a masked 16-wide one (d 72) gave wrong forward scores and out-of-bounds shared memory reads in Triton's wgmma
+# code there (docs/flash-attention-experiments.md, Section 13).  Head dims not listed keep the padded tile.
 SPLIT_LAYOUTS = {48: (32, 16), 80: (64, 16), 88: (32, 64), 96: (32, 64), 160: (32, 128), 192: (64, 128)}
 
 # Head dims whose forward runs its split layout by default (16-bit inputs): none.  The split forward at d 80 and
-# 96 measured faster than the padded tile (d 80: 32.4 against 41.3 us at the 2.7B model's attention shape on an
-# H200; d 96: 39.6 against 41.6) and ran clean under concurrent load at that shape, but with one key (N_k 1) it
-# hit illegal memory accesses in 10 of 39 processes under eight-process load on an H200 (Triton 3.6), where the
-# padded forward ran clean (docs/flash-attention-experiments.md, Section 13); the backward kernels' split tiles
-# fault too.
+# 96 measured faster than the padded tile at the 2.7B model's attention shape, but with one key (N_k 1) under
+# concurrent load it hit illegal memory accesses on an H200 (Triton 3.6) where the padded forward ran clean
+# (docs/flash-attention-experiments.md, Section 13); the backward kernels' split tiles fault too.
 # The mechanism stays for a Triton release without the fault: a head dim listed here runs its forward split by
 # default on devices of a compute capability major in FORWARD_SPLIT_CAPABILITIES and off CUDA.
 FORWARD_SPLIT_HEAD_DIMS: tuple[int, ...] = ()
@@ -271,13 +269,13 @@ def default_config(key: ShapeKey) -> dict[str, TileConfig]:
         return {"fwd": TileConfig(32, 32, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 32, 4, 1)}
     if key.dtype == "fp32ieee":
         # fp32 tiles take twice the shared memory and IEEE dots run on the FMA units, unrolled: small
-        # tiles, which also compile 2-3x faster (sm_90, triton 3.9, d = 64: dK/dV 32x32 10 s vs 32x64 15 s
-        # vs 64x64 71 s); the H100 tuner picked these or 32x32 at N = 1024 for d = 16 and 32.
+        # tiles, which also compile several times faster; the H100 tuner picked these or 32x32 at N = 1024 for
+        # d = 16 and 32 (docs/flash-attention-experiments.md, Section 7).
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     if key.dtype == "fp32x3":
         # tf32x3 keeps each operand's high and low TF32 parts in shared memory.  The H100 tuner picked
-        # 32-query tiles at d = 64 and 128 (dK/dV 32 x 32 everywhere once that tile was a candidate);
-        # these need 64-130 KB at d = 128 (Triton 3.9, sm_90), under sm_80's 163 KB.
+        # 32-query tiles at d = 64 and 128 (dK/dV 32 x 32 everywhere once that tile was a candidate), and
+        # these fit sm_80's 163 KB at d = 128 (docs/flash-attention-experiments.md, Section 7).
         return {"fwd": TileConfig(32, 64, 4, 2), "dkdv": TileConfig(32, 32, 4, 2), "dq": TileConfig(32, 64, 4, 2)}
     fwd = TileConfig(128, 64, 8 if d >= 128 else 4, 2 if d >= 128 else 3)
     bwd = TileConfig(64, 64, 8 if d >= 128 else 4, 2)
@@ -295,32 +293,28 @@ def _configs(*specs: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
 # FlashAttention-2/3 and Triton's tutorial kernels on Hopper, ~10 per kernel so that tuning one shape
 # from an empty cache (every candidate compiled once) stays well under a minute.
 SEARCH_SPACE = {
-    # "t": K/V through TMA descriptors (H100, 2026-11-22; docs/flash-attention-experiments.md, Section 6):
-    # forward 64 x 128 -2% at the leaderboard shape, -4% at B*H 1, N 65536; slower at other tiles and at N 4096,
-    # so only where measured to win.  64 x 32 left for it (never chosen).
+    # "t": K/V through TMA descriptors, only at the forward tile where they measured faster, 64 x 128 at long
+    # rows (H100; docs/flash-attention-experiments.md, Section 6).  64 x 32 left for it (never chosen).
     ("fwd", "half"): _configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2),
                               (128, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 3, 1)),
     ("dkdv", "half"): _configs((32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
                                (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (16, 64, 4, 4)),
-    # 64 x 128-key dQ tiles (H100, 2026-11-21): 2.6-25% faster than the best of the other candidates at
-    # d = 64 on every measured shape; 64 x 32 left (never chosen, and 32-key tiles lost every dQ
-    # measurement so far).
-    # TMA dQ (H100, 2026-11-22): 128 x 64 w8 -1 to -9% at B*H 16 and at B*H 1, N 65536; 64 x 128 -5% at B*H 1,
-    # N 16384 (against the best pointer tile) but +26-28% at the leaderboard shape and at N 65536; the
-    # 128 x 32 tiles left for them (never chosen).
-    # Band mode (H100, 2026-11-22): dQ 64 x 128 with the diagonal band through the descriptors too ran
-    # 1.20 ms at the leaderboard shape (pointer 1.33, mode 1 1.69) and 1.16 at B*H 1, N 65536 (committed
-    # 1.27), but 0.130 vs mode 1's 0.110 at B*H 1, N 16384: both modes stay.
+    # 64 x 128-key dQ tiles: faster than the other candidates at d = 64 on every measured shape (H100;
+    # docs/flash-attention-experiments.md, Section 4); 64 x 32 left (never chosen, and 32-key tiles lost every
+    # dQ measurement so far).
+    # TMA dQ (Section 6 there): 128 x 64 w8 faster at B*H 16 and at B*H 1, N 65536; 64 x 128 only at short
+    # rows (B*H 1, N 16384); the 128 x 32 tiles left for them (never chosen).
+    # Band mode (the band through the descriptors too; Section 6 there): dQ 64 x 128 faster at the leaderboard
+    # shape and at B*H 1, N 65536, mode 1 at B*H 1, N 16384, so both modes stay.
     # 64 x 128 w4 s4 left for it (last chosen before TMA).
     ("dq", "half"): _configs((128, 64, 8, 3, 1), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (128, 64, 8, 3),
                              (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
                              (64, 128, 4, 3)),
     # float32 with tf32x3 dots (tensor cores; each operand's two TF32 parts double the shared memory):
-    # the half-precision shapes that fit, fewer of them, since each compiles for 10-50 s (local sm_90 compile).
-    # Tuned on an H100 from an empty cache (2026-11-22; docs/flash-attention-experiments.md, Section 7): among
-    # the half-precision shapes 32 x 64 won every kernel at d = 64 and 128, N 1024-16384, B*H 1, and 64-query dQ
-    # and dK/dV tiles run out of shared memory at d = 128.  With 32-query candidates dK/dV moved to 32 x 32
-    # (d = 128, N 16384: 3.84 vs 6.55 ms), hence the 32 x 32 and 16-query variants around it.
+    # the half-precision shapes that fit, fewer of them, since each compiles slowly.  Tuned on an H100 from an
+    # empty cache (docs/flash-attention-experiments.md, Section 7): among the half-precision shapes 32 x 64 won
+    # every kernel, and 64-query dQ and dK/dV tiles run out of shared memory at d = 128; with 32-query
+    # candidates dK/dV moved to 32 x 32, hence the 32 x 32 and 16-query variants around it.
     ("fwd", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
                               (64, 32, 4, 3), (128, 32, 8, 3)),
     ("dkdv", "fp32x3"): _configs((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
@@ -329,7 +323,8 @@ SEARCH_SPACE = {
                              (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 8, 2), (32, 32, 4, 3), (16, 64, 4, 2)),
     # float32 with IEEE dots (CS336_FLASH_FP32_DOT=ieee): FMA units.
     ("fwd", "fp32ieee"): _configs((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)),
-    # fp32 dK/dV at 64x64 is left out: 71 s to compile on its own (IEEE dots unroll into FMA code).
+    # fp32 dK/dV at 64x64 is left out: over a minute to compile on its own (IEEE dots unroll into FMA code;
+    # docs/flash-attention-experiments.md, Section 7).
     ("dkdv", "fp32ieee"): _configs((32, 64, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
     ("dq", "fp32ieee"): _configs((64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
 }
@@ -423,41 +418,30 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d64-half-causal-n1024-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s2", "dq": "128x64w8s3"},
     "d64-half-causal-n4096-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3"},
     "d64-half-causal-n16384-bh1": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "64x128w4s3t"},
-    # fwd and dq re-chosen by a same-run A/B in the harness (forward+backward, compiled, device time:
-    # 5.27 vs 5.45 ms for the tuner's first picks; H100, 2026-11-21); dq again the same day,
-    # 128x64w8s3 -> 64x128w4s3: kernel 1.325 vs 1.360 ms, compiled forward+backward 5.260 vs 5.297 ms
-    # interleaved.  The d = 64, B*H = 1 dq entries changed with the same measurement (kernel alone:
-    # N = 4096 0.034 vs 0.040 ms, N = 16384 0.116 vs 0.155, N = 65536 1.267 vs 1.339).
-    # TMA (H100, 2026-11-22, each kernel alone, two runs of two passes): forward at the leaderboard shape
-    # 1.197 vs 1.222-1.225 ms; at B*H 1, N 65536 forward 64x128w4s3t 1.152-1.157 vs 128x64w4s3 1.197-1.208
-    # and dQ 128x64w8s3t 1.243-1.250 vs 1.262-1.280; N 16384 dQ 64x128w4s3t 0.110-0.111 vs 64x128w4s4
-    # 0.112-0.119.
-    # Band mode (H100, 2026-11-22): dQ 64x128w4s3b 1.198-1.202 ms vs 64x128w4s3 1.333; compiled
-    # forward+backward 5.162 / 5.097 vs 5.232 / 5.296 ms interleaved; at N 65536, B*H 1 1.156-1.158 vs
-    # 128x64w8s3t 1.264-1.279.
+    # fwd and dq re-chosen by same-run A/Bs of the compiled forward+backward in the harness, since the tuner's
+    # ranking of near-equal tiles is not stable; the d = 64, B*H = 1 dq entries changed with the same
+    # measurement; TMA mode 1 ("t") and the band mode ("b") where each kernel alone measured faster (H100,
+    # 2026-11-21/22; docs/flash-attention-experiments.md, Sections 4 and 6).
     "d64-half-causal-n16384-bh16": {"fwd": "64x128w4s3t", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
     "d64-half-causal-n65536-bh1": {"fwd": "64x128w4s3t", "dkdv": "32x128w4s4", "dq": "64x128w4s3b"},
     # The models' short sequences (B 4, N 512; bf16, causal), tuned on an H200 (2026-11-26; torch 2.11, triton
-    # 3.6) with CUDA-graph timing (do_bench's times are host-bound at this size), against the entries these
-    # keys took before (the nearest, n1024-bh1).  xl (H 25, d 64): forward 19.2 vs 20.8 us, dQ 21.9 vs 25.5,
-    # dK/dV unchanged at 33.5.  2.7B (H 32, d 80 in the 128-wide tile, measured at d 80): dK/dV 79.3 vs
-    # 96.9, dQ 52.1 vs 65.3, forward unchanged at 40.3.
+    # 3.6) with CUDA-graph timing (do_bench's times are host-bound at this size); faster than the entries these
+    # keys took before, the nearest, n1024-bh1 (docs/flash-attention-experiments.md, Section 13).
     "d64-half-causal-n512-bh64": {"fwd": "64x64w4s3", "dkdv": "64x64w4s2", "dq": "64x64w4s3"},
     "d128-half-causal-n512-bh64": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "64x64w4s2"},
     "d128-half-causal-n1024-bh1": {"fwd": "64x64w4s3", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
-    # d = 128 dQ re-measured on 2026-11-22 (pointer loads; two runs of two passes): N 4096 64x128w4s3
-    # 0.0503-0.0505 vs 64x64w4s3 0.0543-0.0544 ms; B*H 16, N 16384 128x64w8s3 2.45-2.59 vs 128x128w8s2 2.72-2.85.
+    # d = 128 dQ re-measured with pointer loads: these entries' tiles were the faster (H100, 2026-11-22;
+    # docs/flash-attention-experiments.md, Section 4).
     "d128-half-causal-n4096-bh1": {"fwd": "64x64w4s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3"},
     "d128-half-causal-n16384-bh1": {"fwd": "64x64w4s4", "dkdv": "64x64w4s3", "dq": "64x64w4s3"},
     "d128-half-causal-n16384-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
     "d128-half-causal-n65536-bh1": {"fwd": "64x64w4s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
     # Without the causal mask (bf16), tuned with `python -m cs336_systems.flash_autotune --no-causal` on an H100
-    # (torch 2.11, triton 3.6; do_bench, each kernel alone), where `default_config` had served every such call.
-    # Against the default's tiles: d 64 forward -6 to -38%, dQ -9 to -46%, dK/dV -16 to -28%; d 128 dK/dV -28 to
-    # -48% (the default's forward and dQ tiles at d 128 are not among the candidates; at N 1024 the default's
-    # forward, 128x64w8s2, stays: 0.0205 ms against the tuner's 64x64w4s4 0.0214 in the harness, graph time).
-    # On Hopper the Gluon kernels take most calls at d 128 (and dK/dV at d 64 from 2048 queries with two
-    # programs an SM); these tiles serve the rest.
+    # (torch 2.11, triton 3.6; do_bench, each kernel alone), where `default_config` had served every such call:
+    # faster than the default's tiles, except the forward at d 128, N 1024, which keeps the default's 128x64w8s2
+    # (docs/flash-attention-experiments.md, Section 4).  On Hopper the Gluon kernels take most calls at d 128
+    # (and dK/dV at d 64 from 2048 queries with two programs an SM; `cs336_systems.attention.plan.RULES`);
+    # these tiles serve the rest.
     "d64-half-full-n1024-bh16": {"fwd": "64x128w4s3", "dkdv": "64x64w4s3", "dq": "128x128w8s2"},
     "d64-half-full-n2048-bh64": {"fwd": "128x64w8s3", "dkdv": "32x64w4s3", "dq": "64x128w4s3b"},
     "d64-half-full-n4096-bh16": {"fwd": "128x64w8s3", "dkdv": "32x128w4s3", "dq": "64x128w4s3b"},
@@ -468,14 +452,10 @@ TUNED_SM90: dict[str, dict[str, str]] = {
     "d128-half-full-n4096-bh16": {"fwd": "64x64w4s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3"},
     "d128-half-full-n16384-bh1": {"fwd": "128x64w8s3", "dkdv": "32x128w8s3", "dq": "128x64w8s3"},
     "d128-half-full-n16384-bh16": {"fwd": "128x64w8s3", "dkdv": "64x128w8s2", "dq": "128x64w8s3t"},
-    # 256-wide tiles (d = 160 ... 256), tuned among WIDE_SEARCH_SPACE on an H100 (torch 2.11, triton 3.6).  At
-    # B*H 8, N 8192: forward 0.650 ms (default 64x64w8s2: 1.155), dQ 1.027 (64x64w8s2: 1.575), dK/dV 2.432
-    # (the default's own tile; every wider dK/dV tile spills its two (BLOCK_N, 256) float32 accumulators:
-    # 16x64w4s2 11.7 ms, 32x64w4s2 6.2).  At B*H 1, N 16384: 0.362 / 0.701 / 1.263 ms.
-    # dK/dV in two passes (parts 2, one accumulator a program; H100, 2026-11-25, the kernel alone, do_bench,
-    # causal, bf16): B*H 8, N 8192 32x64w4s2p2 2.155 ms vs the one-pass 32x64w8s2 2.437; B*H 1, N 16384
-    # 1.157 vs 1.232; B*H 1, N 65536 64x128w8s1p2 16.28 vs 19.28 (32x64w4s2p2 18.64).  The other two-pass
-    # tiles with two or more stages ran out of shared memory.
+    # 256-wide tiles (d = 160 ... 256), tuned among WIDE_SEARCH_SPACE on an H100 (torch 2.11, triton 3.6): in
+    # one pass every dK/dV tile wider than the default's spills its two (BLOCK_N, 256) float32 accumulators, so
+    # dK/dV runs in two passes (parts 2, one accumulator a program), which measured faster; the other two-pass
+    # tiles with two or more stages ran out of shared memory (docs/flash-attention-experiments.md, Section 13).
     "d256-half-causal-n8192-bh16": {"fwd": "128x64w8s2", "dkdv": "32x64w4s2p2", "dq": "128x64w8s1"},
     "d256-half-causal-n16384-bh1": {"fwd": "64x32w4s3", "dkdv": "32x64w4s2p2", "dq": "64x32w4s2"},
     "d256-half-causal-n65536-bh1": {"fwd": "64x32w4s3", "dkdv": "64x128w8s1p2", "dq": "64x32w4s2"},

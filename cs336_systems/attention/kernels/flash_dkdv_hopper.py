@@ -18,10 +18,11 @@ every query head of its group: Q and dO arrive through a NUM_STAGES-deep TMA rin
     dV += P^T dO_t,  dK += dS^T Q_t                  (async, left running into tile t + 1's S^T and dP^T)
 
 The portable kernel cannot express this: Triton waits for every wgmma right after issuing it
-(docs/flash-attention.md, Section 8).  Small programs, several per SM, let one program's exponentials run
-under another's products; two warpgroups per program (BLOCK_N 128) measured slower (`tiles`).  dK is scaled
-by 1/sqrt(d) once at the end; dK and dV leave through shared memory (K's and V's buffers) and TMA stores,
-which drop rows past Nk.  Grouped-query attention: the query loop runs over the group's heads in turn, so
+(docs/flash-attention-experiments.md, Section 8).  Small programs, several per SM, let one program's
+exponentials run under another's products; two warpgroups per program (BLOCK_N 128) measured slower (Section
+14 there: the compiled code's CTA-wide barriers lock them into the same step).  dK is scaled by 1/sqrt(d)
+once at the end; dK and dV leave through shared memory (K's and V's buffers) and TMA stores, which drop rows
+past Nk.  Grouped-query attention: the query loop runs over the group's heads in turn, so
 dK and dV sum over the group with no atomics.
 
 d 256: a (64, 256) float32 accumulator is 128 registers a thread, so one warpgroup cannot hold dK and dV
@@ -31,11 +32,11 @@ portable kernel makes at this head dim (`TileConfig.parts`), and the same arithm
 results equal the one-pass kernel's.  Short rows run both parts in one launch (a third grid axis); long rows
 in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256).
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose `wanted` rules and descriptors it
-shares); bfloat16 and float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles:
-`flash_fwd_hopper.tile_dim`, with S^T and dP^T over two K-dim slices of the tiles, 64 and d - 64 columns,
-`flash_fwd_hopper.dot_nt`; dK and dV keep 128-wide accumulators, so their products still run over the tile's
-zero columns).
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and helpers it shares); where
+it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  bfloat16 and float16; head dims 64,
+80, 96, 128 and 256 (80 and 96 in 128-wide tiles: `flash_fwd_hopper.tile_dim`, with S^T and dP^T over two
+K-dim slices of the tiles, 64 and d - 64 columns, `flash_fwd_hopper.dot_nt`; dK and dV keep 128-wide
+accumulators, so their products still run over the tile's zero columns).
 """
 
 from __future__ import annotations
@@ -61,13 +62,12 @@ HEAD_DIMS = (64, 80, 96, 128, 256)  # where it runs: `cs336_systems.attention.pl
 
 
 def tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per program, BLOCK_M query rows per step, ring stages), measured on an H200 at
-    N 2048 and 16384: d 64 takes 64 x 64 with 3 stages, d 128 64 x 32 with 4 (a 64-row query step at d 128
-    holds S^T, dP^T, dK and dV in registers with too little room left).  Shared memory at d 128:
-    K + V 32 KB and 4 x (Q + dO) 64 KB.  d 256 (two parts, one accumulator each): 64 x 32 with 3 stages,
-    K + V 64 KB and 3 x (Q + dO) 96 KB; against 2 stages and 16-row steps (2 to 4 stages) it measured
-    fastest at N 2048-16384 and within 4% of the best at N 65536 (both parts in one launch; in two launches
-    the dK part takes DK_TILES_LONG_256 from LONG_QUERIES queries)."""
+    """(BLOCK_N keys per program, BLOCK_M query rows per step, ring stages), the fastest measured
+    (docs/flash-attention-experiments.md, Section 14): d 64 takes 64 x 64 with 3 stages, d 128 64 x 32 with 4
+    (a 64-row query step at d 128 holds S^T, dP^T, dK and dV in registers with too little room left).  Shared
+    memory at d 128: K + V 32 KB and 4 x (Q + dO) 64 KB.  d 256 (two parts, one accumulator each): 64 x 32 with
+    3 stages, K + V 64 KB and 3 x (Q + dO) 96 KB (both parts in one launch; in two launches the dK part takes
+    DK_TILES_LONG_256 from LONG_QUERIES queries)."""
     if head_dim <= 64:
         return (64, 64, 3)
     return (64, 32, 4) if head_dim <= 128 else (64, 32, 3)
@@ -81,14 +81,14 @@ def parts(head_dim: int) -> int:
 
 
 # d 256, the dV part in a launch of its own: 64-row steps (S^T and P^T only, so the registers allow them)
-# read half the K bytes per product of 32-row steps, and measured 23-26% faster than them (H200, N 8192-65536);
-# the dK part keeps `tiles` (its 64-row steps spill).  Two launches only from SPLIT_MIN_QUERIES queries, where
-# they measured faster (at B 2, H 4, N 2048 the single launch was 0.17 ms against 0.24).
+# read half the K bytes per product of 32-row steps, which made them faster; the dK part keeps `tiles` (its
+# 64-row steps spill).  Two launches only from SPLIT_MIN_QUERIES queries, where each part fills the GPU: at
+# short rows one launch measured faster (docs/flash-attention-experiments.md, Section 14).
 DV_TILES_256 = (64, 64, 2)
 SPLIT_MIN_QUERIES = 8192
 # ... and from LONG_QUERIES queries the dK part takes 16-row steps: K + V 64 KB and 3 x (Q + dO) 48 KB, so two
-# programs share an SM.  Measured alone (H200, causal, B·H 1): 7.91-8.02 vs 8.87-8.90 ms at N 65536 and 1.93 vs
-# 2.27 at N 32768, but 0.86 vs 0.59 at N 16384 and 1.19-1.20 vs 0.98-0.99 at B·H 8, N 8192.
+# programs share an SM; faster at long rows, slower at shorter ones (docs/flash-attention-experiments.md,
+# Section 14).
 DK_TILES_LONG_256 = (64, 16, 3)
 LONG_QUERIES = 32768
 
@@ -274,7 +274,8 @@ def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int,
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
-    """dk, dv (like k, v; `usable` strides) written in place; lse, delta (Z, H, Nq) contiguous float32.
+    """dk, dv (like k, v; TMA strides, `flash_fwd_hopper.aligned`) written in place; lse, delta (Z, H, Nq)
+    contiguous float32.
 
     d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key
     block, or, at SPLIT_MIN_QUERIES queries or more where each part alone fills the GPU (a key block per SM),

@@ -23,16 +23,15 @@ At d 80 and 96 (128-wide tiles) S and dP are computed over two K-dim slices of t
 columns, and dQ accumulates in two register tiles of those widths (`flash_fwd_hopper.dot_nt`): no work on
 the tile's zero columns.
 
-Where it is taken (`usable`): d 256 by default, where the portable dQ kernel's tiles (64 x 32, with a (64, 256)
-float32 accumulator) run at a third of the tensor cores' rate, d 80 and 96 from SLICED_MIN_QUERIES to
-SLICED_MAX_QUERIES, d 128 without the causal mask (NONCAUSAL_HEAD_DIMS; 0.41-0.48x the portable dQ's default
-tiles there, within 11% of its tuned ones), and causal at d 64 and 128 (CAUSAL_HEAD_DIMS) from CAUSAL_MIN_QUERIES to
-CAUSAL_MAX_QUERIES with enough programs; at longer causal rows the portable kernel's 128-row programs
-measured faster (docs/flash-attention.md, Section 14).  At d 128 the ring has two stages once the grid is
-large enough (`two_stages`): two programs an SM instead of one.
+Where it runs is decided by `cs336_systems.attention.plan` (its table `RULES`): d 256, where the portable dQ
+kernel's tiles (64 x 32, with a (64, 256) float32 accumulator) run at a third of the tensor cores' rate; d 80
+and 96 over a range of lengths; d 128 without the causal mask; causal d 64 and 128 at medium lengths only,
+since at longer causal rows the portable kernel's 128-row programs measured faster
+(docs/flash-attention-experiments.md, Section 14).  At d 128 the ring has two stages once the grid is large
+enough (`two_stages`): two programs an SM instead of one.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose rules and descriptors it shares) and
-flash_dkdv_hopper (whose switch, ``CS336_FLASH_HOPPER_BWD``, covers both backward kernels); bfloat16 and
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and helpers it shares);
+``CS336_FLASH_HOPPER_BWD`` (`FlashOptions.hopper_bwd`) switches it and flash_dkdv_hopper together; bfloat16 and
 float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles, `flash_fwd_hopper.tile_dim`).
 """
 
@@ -57,16 +56,13 @@ from cs336_systems.attention.kernels.flash_launch import direct
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # d 128: Q + dO 32 KB and two stages of K + V (64 KB) fit two programs an SM, where three stages (128 KB) fit
-# one.  Two stages measured faster once the grid is large (same probe: causal 0.783 vs 0.890 ms at B·H 64,
-# N 4096, 1024-4096 programs; not causal 2.64 vs 3.05 at B·H 8, N 16384, 512 programs and more) and slower
-# below (causal +18% at B·H 4, N 8192, 512 programs; +12-22% at B·H 1; not causal +9% at B·H 8, N 1024).
+# one; faster on large grids, slower on small ones (docs/flash-attention-experiments.md, Section 14).
 TWO_STAGE_PROGRAMS = {True: 1024, False: 512}  # by causal
 
 
 # d 256 with long rows or few programs: 64-key steps with two stages (Q + dO 64 KB, 2 x (K + V) 128 KB: the same
-# bytes in flight as three 32-key stages, in half as many steps).  Measured alone (H200, causal, CUDA-graph time),
-# 64 x 32 x 3 -> 64 x 64 x 2: B·H 1: -16% (N 4096), -15% (8192), -7% (16384), -6% (32768, 65536); B·H 4, N 16384
-# -2%; B·H 8, N 8192 -1%; but +4% at B·H 4, N 4096 and +2% at B·H 8, N 2048 (two waves of 64-row programs).
+# bytes in flight as three 32-key stages, in half as many steps); faster with fewer programs than SMs and at long
+# rows, a few percent slower at two waves of short rows (docs/flash-attention-experiments.md, Section 14).
 TILES_LONG_256 = (64, 64, 2)
 LONG_QUERIES = 8192
 
@@ -195,9 +191,9 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
 
 
 def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
-    """dq_out (like q; `usable` strides) and delta ((Z, H, Nq) contiguous float32) written in place; lse is
-    the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `flash_launch.direct`, or a
-    `flash_replay.Recorder` recording the launch."""
+    """dq_out (like q; TMA strides, `flash_fwd_hopper.aligned`) and delta ((Z, H, Nq) contiguous float32)
+    written in place; lse is the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `flash_launch.direct`,
+    or a `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
     width = fwd.tile_dim(d)

@@ -30,9 +30,10 @@ head h reads K/V head h // group.
 L = logsumexp of the scaled scores (natural log, float32) per query row, as the portable kernel stores it, so
 the portable backward consumes this forward's output unchanged.
 
-Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); `usable` says where
-this kernel is taken.  At d 64 and 128 flash_triton runs the warp-specialized form of the same loop instead
-(flash_fwd_hopper_ws: a producer warp and two independent consumer warpgroups; same results, faster).
+Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); where this kernel
+runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  At d 64 and 128 the plan takes the
+warp-specialized form of the same loop instead (flash_fwd_hopper_ws: a producer warp and two independent
+consumer warpgroups; same results, faster).
 bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96 in 128-wide tiles,
 `tile_dim`).
 """
@@ -63,16 +64,14 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 
 def block_n(head_dim: int) -> int:
     """Key tile: 128 keys keep S (64 x 128 per warpgroup) and O (64 x d) in registers up to d = 128; at
-    d 256 O alone is 128 registers a thread, so 32 keys: against 64 keys with two stages (H200, kernel alone,
-    causal) 4.38 vs 4.64 ms at B·H 1, N 65536, 0.564 vs 0.647 at N 16384, 0.716 vs 0.713 at B·H 8, N 8192."""
+    d 256 O alone is 128 registers a thread, so 32 keys, which measured faster than 64 at long rows and tied
+    at short ones (docs/flash-attention-experiments.md, Section 14)."""
     return 128 if head_dim <= 128 else 32
 
 
 # d 80 and 96 (128-wide tiles, products over d in slices): 64 query rows (one warpgroup) x 64 keys, 3 stages:
-# Q 16 KB + 3 x (K + V) 96 KB, two programs per SM, where 128 x 128 tiles take one.  Measured (H200, causal,
-# CUDA-graph time) against 128 x 128 with 3 stages: B 4, H 32, N 512 (the 2.7B model) 31.3 vs 39.4 us, B 2,
-# H 16, N 2048 80.5 vs 93.9, B 1, H 16, N 8192, d 96 561 vs 566.  64 x 128 x 2: +31 to +79% (-16% at B 2, H 3,
-# N 1000, not causal); 64 x 64 x 4: +9 to +20%.
+# Q 16 KB + 3 x (K + V) 96 KB, two programs per SM, where 128 x 128 tiles take one; faster than 128 x 128 at
+# every shape measured, most at the models' short rows (docs/flash-attention-experiments.md, Section 14).
 PADDED_TILES = (64, 64, 3)
 
 
@@ -379,7 +378,7 @@ def tile_dim(head_dim: int) -> int:
 # Head dims whose products over d skip the 128-wide tile's zero columns: d = 64 + (d - 64) in two K-dim slices
 # of the tile's shared memory (the first 64 columns are one 128-byte swizzle row, so both slices are whole
 # wgmma operands), wgmma's work over d 80 is 80 columns instead of 128.  Bit-equal to the whole tile (the
-# skipped columns are zeros); measured per kernel in docs/flash-attention.md, Section 14.
+# skipped columns are zeros); measured per kernel in docs/flash-attention-experiments.md, Section 14.
 SLICED_HEAD_DIMS = (80, 96)
 
 
@@ -401,8 +400,8 @@ def descriptor(t: torch.Tensor, rows: int):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
-    `usable` strides, k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
-    `flash_replay.Recorder` recording the launch.  (At d 64 and 128 flash_triton runs the warp-specialized
+    TMA strides (`aligned`), k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
+    `flash_replay.Recorder` recording the launch.  (At d 64 and 128 the plan takes the warp-specialized
     form of this kernel instead: flash_fwd_hopper_ws, same results bit for bit.)"""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]

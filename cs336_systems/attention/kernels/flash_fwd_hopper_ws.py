@@ -28,8 +28,9 @@ first; both consumers walk the key tiles of the whole 128-row block (the produce
 masking with its own rows, so a consumer may see a tile whose keys are all after its rows: its scores are
 masked to -1e6 and add zeros.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper, whose `usable` rules choose it: flash_triton
-runs it instead of flash_fwd_hopper's kernel at the head dims in `HEAD_DIMS` (`takes`).
+Written against Triton 3.6's Gluon API, like flash_fwd_hopper.  Where the Gluon forward runs is decided by
+`cs336_systems.attention.plan` (its table `RULES`), which takes this kernel instead of flash_fwd_hopper's at
+the head dims in `HEAD_DIMS` (the plan's `WS_HEAD_DIMS`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from cs336_systems.attention.kernels.flash_launch import direct
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
 ROWS = 64
-# (BLOCK_N keys per tile, ring stages).  Measured (H100, causal bf16, CUDA-graph time, standalone probe):
-# 128 x 3 stages 0.908 ms at B 1, H 8, N 16384, d 128 against 1.333 with 2 stages and 1.037 for 64-key tiles
-# with 4 stages; flash_fwd_hopper's kernel took 1.154 there.
+# (BLOCK_N keys per tile, ring stages): with two stages the producer waits for both consumers before a tile
+# can land, which serializes them again; 64-key tiles measured slower too (docs/flash-attention-experiments.md,
+# Section 14).
 TILES = (128, 3)
 # Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
 # warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
@@ -175,7 +176,7 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in
-    HEAD_DIMS, with `flash_fwd_hopper.usable` strides, k and v with H_kv heads dividing H.  ``wrap``:
+    HEAD_DIMS, with TMA strides (`flash_fwd_hopper.aligned`), k and v with H_kv heads dividing H.  ``wrap``:
     `flash_launch.direct`, or a `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     if d not in HEAD_DIMS:
