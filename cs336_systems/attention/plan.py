@@ -219,7 +219,9 @@ class Rule:
     """Where a Gluon kernel is taken under "auto": ``head_dims``, ``causal`` (None: either), ``min_q`` <=
     n_q <= ``max_q``, n_k >= ``min_k``, ``same_heads`` (no grouped K/V heads), and at least ``per_sm``
     programs per SM, a program being ``unit`` rows of ``axis`` ("q" or "k") of one head of ``heads`` ("q" or
-    "kv").  ``reason``: why, in a line; ``measured``: where (device, and the experiments doc's section)."""
+    "kv"); ``devices``: substrings of the GPU's name the rule holds on (None: every device the kernel runs on;
+    a rule measured to differ between GPUs of one architecture names them).  ``reason``: why, in a line;
+    ``measured``: where (device, and the experiments doc's section)."""
 
     kernel: str
     head_dims: tuple[int, ...]
@@ -234,13 +236,15 @@ class Rule:
     axis: str = "q"
     unit: int = 128
     heads: str = "q"
+    devices: tuple[str, ...] | None = None
 
     def programs(self, p: Problem) -> int:
         rows = p.n_q if self.axis == "q" else p.n_k
         return -(-rows // self.unit) * p.batch * (p.heads if self.heads == "q" else p.kv_heads)
 
     def matches(self, p: Problem, device: Device) -> bool:
-        return (p.head_dim in self.head_dims and (self.causal is None or self.causal == p.causal)
+        return ((self.devices is None or any(name in device.name for name in self.devices))
+                and p.head_dim in self.head_dims and (self.causal is None or self.causal == p.causal)
                 and p.n_q >= self.min_q and (self.max_q is None or p.n_q <= self.max_q) and p.n_k >= self.min_k
                 and (not self.same_heads or p.heads == p.kv_heads)
                 and self.programs(p) >= self.per_sm * device.sm_count)
@@ -255,6 +259,8 @@ class Rule:
             parts.append(f"Nk >= {self.min_k}")
         if self.same_heads:
             parts.append("no grouped heads")
+        if self.devices:
+            parts.append(f"on {' / '.join(self.devices)}")
         if self.per_sm:
             parts.append(f">= {self.per_sm} program{'s' if self.per_sm > 1 else ''} of {self.unit} "
                          f"{'queries' if self.axis == 'q' else 'keys'} per SM")
