@@ -255,3 +255,10 @@ def test_explain_command(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["--write-docs", str(doc)])
     assert "plan-table:start" in capsys.readouterr().err
+
+
+def test_a_rule_may_hold_on_named_devices_only():
+    rule = planning.Rule("fused", (64,), "why", "where", causal=True, min_q=1024, devices=("H100",))
+    p = problem(1, 16, 16384, 64)
+    assert rule.matches(p, Device.preset("H100")) and not rule.matches(p, H200)
+    assert "on H100" in rule.text()
