@@ -166,7 +166,7 @@ def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...], o
     env = _switches()
     if _replays_off(env[0]) or not hooks_idle():
         return None
-    key = [kind, options, is_causal, torch.cuda.current_device(), flash_autotune.generation, env]
+    key = [kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, env, options]
     ptrs = []
     for t in tensors:  # a plain loop over one flat list: half the time of per-field tuples (~2 us a call)
         if type(t) is not torch.Tensor or not t.is_cuda:

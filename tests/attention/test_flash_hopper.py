@@ -314,7 +314,9 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
     (8, 4096, 128, False, ["fwd", "fused"]),  # without the mask from the fused backward's 4096 queries at d 128
     (16, 4096, 128, True, ["fwd", "fused"]),
     (16, 2048, 64, True, ["dq", "dkdv"]),  # causal d 64 from CAUSAL_MIN_QUERIES (the forward stays portable)
-    (16, 4096, 64, True, ["fused"]),  # d 64 from the fused backward's MIN_QUERIES
+    # d 64 from the fused backward's 4096 queries on the H100; on other GPUs (the H200) the two kernels
+    (16, 4096, 64, True, ["fused"] if "H100" in (torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+     else ["dq", "dkdv"]),
 ])
 def test_gpu_compiled_calls_run_the_gluon_kernels_an_eager_call_runs(heads, n, d, is_causal, expected):
     """torch.compile(fullgraph=True) at sizes the Gluon kernels take: the traced call keeps the custom ops,
@@ -402,7 +404,7 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
 def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq, nk, d, is_causal, token_major):
     """flash_fwd_hopper_ws runs flash_fwd_hopper's per-row loop with a producer warp and two independent
     consumer warpgroups: O and L must equal the one-program kernel's bit for bit, and be finite."""
-    assert ws_hopper.takes(d)
+    assert d in ws_hopper.HEAD_DIMS
     if token_major:
         q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
         k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))

@@ -34,7 +34,7 @@ P, HOP, WS, FUSED, TWO, CUSTOM, TRITON_OP = "portable", "hopper", "hopper-ws", "
 # problem -> expected plan under the default options on an H200 (132 SMs); each row names the rule it probes.
 TABLE = [
     # the leaderboard shapes and the models' shapes
-    (problem(1, 16, 16384, 64), (P, FUSED, "-", "-", CUSTOM)),  # d 64: portable forward; fused from 4096
+    (problem(1, 16, 16384, 64), (P, TWO, P, HOP, CUSTOM)),  # d 64: the fused pass holds on the H100 only
     (problem(1, 16, 16384, 128), (WS, FUSED, "-", "-", CUSTOM)),
     (problem(4, 25, 512, 64), (P, TWO, P, P, TRITON_OP)),  # the xl model at context 512: inductor launches
     (problem(4, 32, 512, 80), (HOP, TWO, HOP, HOP, CUSTOM)),  # the 2.7B model at context 512
@@ -55,7 +55,7 @@ TABLE = [
     (problem(1, 16, 2048, 64), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 8, 2048, 64), (P, TWO, P, P, TRITON_OP)),  # 256 dQ programs; 256 dK/dV programs
     (problem(1, 9, 2048, 64), (P, TWO, HOP, HOP, CUSTOM)),  # 288 dQ and dK/dV programs: two per SM
-    (problem(1, 16, 4160, 64), (P, FUSED, "-", "-", CUSTOM)),  # past 4096: fused (4096 up)
+    (problem(1, 16, 4160, 64), (P, TWO, P, HOP, CUSTOM)),  # past 4096: the portable dQ
     (problem(4, 16, 1024, 64), (P, TWO, P, P, TRITON_OP)),  # below 2048 queries: everything portable
     (problem(1, 5, 2048, 128), (P, TWO, HOP, P, CUSTOM)),  # fused: 80 programs < SMs; dQ 160; dK/dV 160 < 264
     (problem(1, 17, 1024, 128), (P, FUSED, "-", "-", CUSTOM)),  # fused at d 128 from 1024 queries (136 programs)
@@ -69,7 +69,7 @@ TABLE = [
     (problem(1, 8, 1023, 64, causal=False), (P, TWO, P, P, TRITON_OP)),
     (problem(1, 8, 4096, 128, causal=False), (WS, FUSED, "-", "-", CUSTOM)),
     # dK/dV: no grouped heads, two 64-key programs per SM; d 256 without a program count
-    (problem(1, 1, 32768, 64), (P, FUSED, "-", "-", CUSTOM)),  # 256 fused programs of 128 keys
+    (problem(1, 1, 32768, 64), (P, TWO, P, HOP, CUSTOM)),  # dK/dV: 512 programs of 64 keys
     (problem(1, 2, 32768, 64, hkv=1, causal=False), (P, TWO, P, P, TRITON_OP)),  # grouped, not causal
     (problem(1, 1, 4096, 256), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 1, 1024, 256), (P, TWO, P, P, TRITON_OP)),
@@ -82,14 +82,30 @@ TABLE = [
 ]
 
 
+# Where the H100 differs: the fused backward at d 64 (causal) from 4096 queries and a 128-key program per SM.
+H100_TABLE = [
+    (problem(1, 16, 16384, 64), (P, FUSED, "-", "-", CUSTOM)),  # the d 64 leaderboard
+    (problem(1, 16, 4160, 64), (P, FUSED, "-", "-", CUSTOM)),
+    (problem(1, 1, 32768, 64), (P, FUSED, "-", "-", CUSTOM)),  # 256 fused programs of 128 keys
+    (problem(1, 1, 16384 - 128, 64), (P, TWO, P, P, TRITON_OP)),  # 127 programs: fewer than the SMs
+    (problem(4, 16, 2048, 64), (P, TWO, HOP, HOP, CUSTOM)),  # below 4096 queries: the two Gluon kernels
+]
+
+
 @pytest.mark.parametrize("p, expected", TABLE, ids=[p.text() for p, _ in TABLE])
 def test_the_plan_table(p, expected):
     assert kernels(p) == expected
 
 
+@pytest.mark.parametrize("p, expected", H100_TABLE, ids=[p.text() for p, _ in H100_TABLE])
+def test_the_plan_table_on_an_h100(p, expected):
+    assert kernels(p, Device.preset("H100")) == expected
+    assert all(kernels(q, Device.preset("H100")) == e for q, e in TABLE if q.head_dim != 64 or not q.causal)
+
+
 def test_the_fused_pass_at_one_program_per_sm_exactly():
     n = 132 * 128  # 132 programs of 128 keys at B·H 1
-    assert kernels(problem(1, 1, n, 64))[1] == FUSED and kernels(problem(1, 1, n - 128, 64))[1] == TWO
+    assert kernels(problem(1, 1, n, 128))[1] == FUSED and kernels(problem(1, 1, n - 128, 128))[1] == TWO
 
 
 def test_other_devices_take_the_portable_kernels():
@@ -207,14 +223,15 @@ def test_every_rule_has_a_reason_and_a_measurement_and_is_reachable():
         n = max(rule.min_q, rule.min_k, 64)
         p = Problem(64, 8, 8, n, max(n, rule.min_k), rule.head_dims[0], BF16,
                     True if rule.causal is None else rule.causal)
-        assert rule.matches(p, H200), rule
-        assert planning._choose(rule.kernel, "auto", p, H200, FlashOptions())[0], rule
+        device = Device.preset("H100") if rule.devices == ("H100",) else H200
+        assert rule.matches(p, device), rule
+        assert planning._choose(rule.kernel, "auto", p, device, FlashOptions())[0], rule
 
 
 def test_explain_names_each_choice_and_its_rule():
-    text = planning.explain(problem(1, 16, 16384, 64), H200)
+    text = planning.explain(problem(1, 16, 16384, 64), Device.preset("H100"))
     assert "forward:  portable" in text and "backward: fused" in text and "traced:   custom_op" in text
-    assert "rule [d 64, causal, Nq >= 4096" in text
+    assert "rule [d 64, causal, Nq >= 4096, on H100" in text
     text = planning.explain(problem(4, 25, 512, 64), H200)
     assert "dq:     portable" in text and "portable tiles: fwd " in text
 
@@ -233,9 +250,9 @@ def test_the_docs_tables_are_generated_from_the_rules_and_the_registry():
 def test_explain_command(capsys, tmp_path):
     from cs336_systems import flash_autotune as cli
 
-    assert cli.main(["--explain", "1,16,16384,64", "--device", "H200"]) == 0
+    assert cli.main(["--explain", "1,16,16384,128", "--device", "H200"]) == 0
     out = capsys.readouterr().out
-    assert "problem: B 1, H 16, Nq 16384, Nk 16384, d 64, bfloat16, causal" in out and "backward: fused" in out
+    assert "problem: B 1, H 16, Nq 16384, Nk 16384, d 128, bfloat16, causal" in out and "backward: fused" in out
     assert cli.main(["--explain", "2,32,4096,128", "--kv-heads", "8", "--no-causal", "--dtype", "fp16",
                      "--device", "H100"]) == 0
     assert "H 32/8" in capsys.readouterr().out
@@ -246,11 +263,11 @@ def test_explain_command(capsys, tmp_path):
             cli.main(bad)
         assert message in capsys.readouterr().err
     doc = tmp_path / "doc.md"
-    doc.write_text("a\n<!-- plan-table:start -->\nold\n<!-- plan-table:end -->\nb\n"
+    doc.write_text("a\n<!-- plan-table:start -->\nSTALE ROW\n<!-- plan-table:end -->\nb\n"
                    "<!-- switches-table:start -->\n<!-- switches-table:end -->\n")
     assert cli.main(["--write-docs", str(doc)]) == 0
     text = doc.read_text()
-    assert "old" not in text and planning.rules_table() in text and switches.markdown_table() in text
+    assert "STALE ROW" not in text and planning.rules_table() in text and switches.markdown_table() in text
     doc.write_text("no markers")
     with pytest.raises(SystemExit):
         cli.main(["--write-docs", str(doc)])
