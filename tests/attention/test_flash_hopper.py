@@ -492,7 +492,7 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     _, replays = _assert_replays_match_the_ordinary_path(q, k, v, True, grad_out, table=table)
     assert replays == 4  # the forward's and the backward's signature, at the second and third call
     names = sorted(launch.compiled.name for plan in table.values() for launch in plan.launches)
-    forward = "flash_fwd_hopper_ws_kernel" if ws_hopper.takes(d) else "flash_fwd_hopper_kernel"
+    forward = "flash_fwd_hopper_ws_kernel" if d in ws_hopper.HEAD_DIMS else "flash_fwd_hopper_kernel"
     assert names == sorted(["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", forward])
 
 
