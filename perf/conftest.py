@@ -411,8 +411,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Evaluate benchmarks.json's ratio gates on the perf cases this pytest session selected (see
     `cs336_systems.reporting.gates`): a violated pair, or a selected pair without a time, fails the run."""
     config = session.config
-    if not config.stash.get(SELECTED_KEY, {}):
-        return
+    if not config.stash.get(SELECTED_KEY, {}) or config.option.collectonly:
+        return  # (--collect-only measures nothing: its cases are not "not measured")
     bench_session = getattr(config, "_benchmarksession", None)
     if bench_session is None or bench_session.disabled or bench_session.skip:
         config.stash[GATES_IDLE_KEY] = "benchmarks disabled or skipped in this pytest session: nothing was timed"

@@ -96,6 +96,19 @@ def _string(value: object, where: str) -> str:
     return value
 
 
+GROUP_SEPARATOR = ","  # --perf-group=a,b splits on it
+
+
+def _group_name(value: object, where: str) -> str:
+    """A group name: a non-empty string without `GROUP_SEPARATOR` or surrounding spaces (``--perf-group``
+    splits on the one and strips the other, so such a group could never be selected)."""
+    name = _string(value, where)
+    if GROUP_SEPARATOR in name or name != name.strip():
+        raise MatrixError(f"{where}: group name {name!r} cannot be selected: --perf-group splits on "
+                          f"{GROUP_SEPARATOR!r} and strips spaces")
+    return name
+
+
 def _flash_options(value: object, where: str) -> str:
     """flash-triton's explicit kernel choices as `FlashOptions.text` ("" for the plan's defaults), e.g.
     "fused_bwd=off" or "hopper_fwd=on,tma=off"."""
@@ -152,7 +165,7 @@ _LM_GRID = {
     "attention": Key(_one_of(_attention_names), axis=True, required=False, default=["sdpa"]),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
-    "group": Key(_string, axis=False, required=False, default="default"),
+    "group": Key(_group_name, axis=False, required=False, default="default"),
 }
 
 def _checkpoint_policy(value: object, where: str) -> str:
@@ -207,7 +220,7 @@ _ATTENTION_GRID = {
     "timings": Key(_one_of(("host", "device", "graph")), axis=True, required=False, default=["host"]),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
-    "group": Key(_string, axis=False, required=False, default="default"),
+    "group": Key(_group_name, axis=False, required=False, default="default"),
 }
 
 def _positive_number(value: object, where: str) -> float:
@@ -245,7 +258,7 @@ _ALLREDUCE_GRID = {
     "inner_iters": Key(_positive_int, axis=False, required=False, default=1),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
-    "group": Key(_string, axis=False, required=False, default="default"),
+    "group": Key(_group_name, axis=False, required=False, default="default"),
 }
 
 # Data-parallel training steps (cs336_systems.bench.workloads.data_parallel): LM size x context x per-rank
@@ -261,7 +274,7 @@ _DATA_PARALLEL_GRID = {
     "backends": Key(_one_of(("gloo", "nccl")), axis=True),
     "warmup": Key(_non_negative_int, axis=False),
     "rounds": Key(_positive_int, axis=False),
-    "group": Key(_string, axis=False, required=False, default="default"),
+    "group": Key(_group_name, axis=False, required=False, default="default"),
 }
 
 SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
@@ -523,6 +536,9 @@ def _validate_gate(gate: object, where: str, suites: dict[str, dict[str, list[di
                 listed = ", ".join(json.dumps(v) for v in present) or "none"
                 raise MatrixError(f"{path}: value {json.dumps(value)} occurs in no grid of suite {suite!r} "
                                   f"(values there: {listed}); the gate would match no case (gate {name!r})")
+    if {**gate.get("where", {}), **gate["numerator"]} == {**gate.get("where", {}), **gate["denominator"]}:
+        raise MatrixError(f"{where}: numerator and denominator name the same cases, so the gate would compare each "
+                          f"case with itself and always pass at 1.000 (gate {name!r})")
     ratio = gate["max_ratio"]
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < math.inf:
         raise MatrixError(f"{where}.max_ratio: expected a finite positive number, got {ratio!r} (gate {name!r})")
@@ -627,11 +643,36 @@ def parse(data: object) -> Matrix:
     return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]", suites) for i, g in enumerate(gates)])
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, keys: list[str]) -> None:
+        self.key, self.keys = key, keys
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: an object that names a key twice (JSON would keep the last value in silence, e.g. a
+    second "gates" list replacing the first) is an error."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key, [k for k, _ in pairs])
+        seen.add(key)
+    return dict(pairs)
+
+
+def loads(text: str, source: str = "benchmarks.json") -> object:
+    """Decode benchmarks.json text, refusing invalid JSON and duplicate keys (MatrixError naming the key and
+    the lines where it occurs)."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise MatrixError(f"{source}: invalid JSON: {exc}") from None
+    except _DuplicateKey as dup:
+        lines = [str(i) for i, line in enumerate(text.splitlines(), 1) if f'"{dup.key}"' in line]
+        raise MatrixError(f"{source}: key {dup.key!r} appears twice in one object (lines {', '.join(lines)}; "
+                          f"the object's keys: {', '.join(dup.keys)}); JSON would keep only the last") from None
+
+
 def load(path: str | Path = DEFAULT_PATH) -> Matrix:
     """Read and validate a benchmarks.json file."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MatrixError(f"{path}: invalid JSON: {exc}") from None
-    return parse(data)
+    return parse(loads(path.read_text(), str(path)))

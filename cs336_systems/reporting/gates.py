@@ -32,8 +32,9 @@ What a gate does not guarantee: that the cases are fast in absolute terms (that 
 comparison's job), that a ratio is stable beyond the run-to-run spread of its two cases, or anything
 about groups the run did not select.
 
-    python -m cs336_systems.gates RUN.json [--matrix benchmarks.json]
-        exit 0: every applicable pair measured and within its bound; 1: a pair violated or not measured;
+    python -m cs336_systems.gates RUN.json [--matrix benchmarks.json] [--allow-empty]
+        exit 0: every applicable pair measured and within its bound; 1: a pair violated or not measured, or
+        no gate applies to the run (nothing was checked; --allow-empty makes that exit 0);
         2: unreadable or empty run, a case without statistics, an ambiguous gate
 """
 
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a saved pytest-benchmark JSON file")
     parser.add_argument("--matrix", default=str(matrix.DEFAULT_PATH), help="benchmarks.json with the gates")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="exit 0 when no gate applies to the run (by default that fails: nothing was checked)")
     args = parser.parse_args(argv)
     try:
         m = matrix.load(args.matrix)
@@ -286,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: groups not in the {profile} profile of {args.matrix}: {', '.join(unknown)}")
     print(summary(checks))
     print(table(checks))
+    if not any(c.applicable for c in checks) and not args.allow_empty:
+        print("gates: no gate applies to this run, so nothing was checked (exit 1); --allow-empty accepts that")
+        return 1
     return 0 if all(c.ok for c in checks) else 1
 
 

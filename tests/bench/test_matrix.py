@@ -505,3 +505,27 @@ def test_the_impl_axis_belongs_to_the_end_to_end_suite_only():
     grid = {**_lm_grid(impls=["hf-llama"]), "checkpoints": ["none"]}
     with pytest.raises(MatrixError, match=r"checkpointing\.profiles\.cpu\[0\]: unknown key 'impls'"):
         matrix.parse({"suites": {"checkpointing": {"profiles": {"cpu": [grid]}}}})
+
+
+def test_duplicate_keys_are_refused_naming_the_key_and_its_lines(tmp_path):
+    """JSON keeps the last of two equal keys in silence: a second "gates" would drop every gate, a repeated
+    "modes" would shrink a grid."""
+    text = (ROOT / "benchmarks.json").read_text()
+    doubled = text.replace('"gates": [', '"gates": [],\n  "gates": [', 1)
+    assert doubled != text
+    path = tmp_path / "benchmarks.json"
+    path.write_text(doubled)
+    with pytest.raises(matrix.MatrixError, match=r"key 'gates' appears twice in one object \(lines \d+, \d+"):
+        matrix.load(path)
+    with pytest.raises(matrix.MatrixError, match="key 'modes' appears twice"):
+        matrix.loads('{"suites": {"flash": {"profiles": {"cpu": [{"modes": ["forward"], "modes": ["backward"]}]}}}}')
+
+
+def test_group_names_that_perf_group_cannot_select_are_refused():
+    grid = {"impls": ["naive"], "batch_sizes": [2], "seq_lens": [8], "head_dims": [4], "dtypes": ["fp32"],
+            "causal": [True], "modes": ["forward"], "warmup": 1, "rounds": 2}
+    for name in ("flash,cpu", " flash", "flash "):
+        data = {"suites": {"flash": {"profiles": {"cpu": [dict(grid, group=name)]}}}}
+        with pytest.raises(matrix.MatrixError, match="cannot be selected: --perf-group splits on ','"):
+            matrix.parse(data)
+    matrix.parse({"suites": {"flash": {"profiles": {"cpu": [dict(grid, group="flash-cpu")]}}}})

@@ -430,3 +430,15 @@ def test_baseline_refresh_runs_each_group_spec_then_merges_or_stops_at_a_failing
     assert data["cs336_groups"] == ["g1", "g2"] and len(data["benchmarks"]) == 3
     failed = refresh("nope")
     assert failed.returncode == 2 and "group nope: pytest exited with status 4; nothing merged" in failed.stderr
+
+
+def test_collect_only_reports_no_gate_as_not_measured(project):
+    """--collect-only, the way to check an edit of benchmarks.json, measures nothing: its gates are not
+    "not measured" failures."""
+    data = dict(TINY_MATRIX, gates=[{"name": "longer is not slower", "suite": "end_to_end",
+                                     "numerator": {"context": 16}, "denominator": {"context": 8},
+                                     "max_ratio": 2.0}])
+    (project.path / "benchmarks.json").write_text(json.dumps(data))
+    result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider", "--collect-only")
+    assert result.ret == 0, result.stdout.str()
+    assert "not measured" not in result.stdout.str()

@@ -233,12 +233,25 @@ def test_cli_derives_the_selection_of_runs_saved_without_one_from_the_matrix(tmp
            in capsys.readouterr().out
 
 
-def test_cli_on_a_cpu_run_lists_the_gates_as_not_applicable(tmp_path, capsys):
+def test_cli_on_a_cpu_run_lists_the_gates_as_not_applicable_and_fails_unless_allowed(tmp_path, capsys):
+    """A run that no gate applies to checked nothing: exit 1, unless --allow-empty says that is expected."""
     naive = {**_entry("naive", "forward", 1.0), "group": "leaderboard-cpu"}
-    assert _cli(tmp_path, _saved_run([naive], profile="cpu", perf_groups=["leaderboard-cpu"])) == 0
+    run = _saved_run([naive], profile="cpu", perf_groups=["leaderboard-cpu"])
+    assert _cli(tmp_path, run) == 1
     out = capsys.readouterr().out
     assert out.count("| not applicable |") == len(matrix.load(ROOT / "benchmarks.json").gates) and "ok |" not in out
-    assert "profile cpu, groups leaderboard-cpu" in out
+    assert "profile cpu, groups leaderboard-cpu" in out and "no gate applies to this run" in out
+    assert gates.main([str(tmp_path / "run.json"), "--matrix", str(ROOT / "benchmarks.json"), "--allow-empty"]) == 0
+
+
+def test_a_gate_comparing_a_case_with_itself_is_refused():
+    same = {**GATE, "denominator": dict(GATE["numerator"])}
+    with pytest.raises(matrix.MatrixError, match=r"gates\[0\]: numerator and denominator name the same cases"):
+        matrix.parse(_matrix_with(same))
+    moved = {**GATE, "where": {"mode": "forward-backward", "impl": "flash-triton"},
+             "numerator": {"compile": True}, "denominator": {"impl": "flash-triton", "compile": True}}
+    with pytest.raises(matrix.MatrixError, match="the same cases"):
+        matrix.parse(_matrix_with(moved))
 
 
 def test_cli_refuses_a_run_with_no_benchmarks_or_without_statistics(tmp_path, capsys):
