@@ -97,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _leave_out_slow_tests_by_default(config)
     config.stash[COMPARED_KEY] = []
     _check_benchmark_json(config)
+    _check_benchmark_storage(config)
 
 
 SLOW_LEFT_OUT = pytest.StashKey[int]()  # how many tests marked slow the default left out
@@ -129,6 +130,29 @@ def pytest_testnodedown(node, error) -> None:
     if SLOW_LEFT_OUT in config.stash:  # every worker collects (and deselects) the same tests
         config.stash[SLOW_LEFT_OUT] = max(config.stash[SLOW_LEFT_OUT],
                                           getattr(node, "workeroutput", {}).get("slow_left_out", 0))
+
+
+def _check_benchmark_storage(config: pytest.Config) -> None:
+    """--benchmark-autosave / --benchmark-save write into --benchmark-storage only after the last case: check
+    now that its folder can be made and written (a file in its place, a read-only or full disk would lose
+    the whole run after measuring it)."""
+    if not (config.getoption("benchmark_autosave", False) or config.getoption("benchmark_save", None)):
+        return
+    storage = str(config.getoption("benchmark_storage", None) or "")
+    if "://" in storage and not storage.startswith("file://"):
+        return  # another storage backend (elasticsearch): its own errors
+    folder = Path(storage.removeprefix("file://") or ".benchmarks")
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a directory")
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".cs336-write-check-{os.getpid()}"
+        with open(probe, "xb"):
+            pass
+        probe.unlink()
+    except OSError as exc:
+        raise pytest.UsageError(f"--benchmark-storage={storage}: cannot save runs there ({exc.strerror or exc}); "
+                                "the run would be lost after it finished") from None
 
 
 def _check_benchmark_json(config: pytest.Config) -> None:
