@@ -1,8 +1,13 @@
 """Saved pytest-benchmark runs -> Markdown tables (and PNG plots), run comparisons, the README's results.
 
-    python -m cs336_systems.report RUN.json [RUN2.json ...] [-o report.md] [--plots DIR]
+    python -m cs336_systems.report RUN.json [RUN2.json ...] [-o report.md] [--plots DIR] [--any-machine]
     python -m cs336_systems.report --compare OLD.json NEW.json [-o diff.md] [--threshold 10] [--any-machine]
     python -m cs336_systems.report --readme README.md
+
+Runs from different machines or software (GPU, GPU count, CUDA, torch, triton) are refused (exit status 2)
+unless ``--any-machine``, which renders them under a warning naming each run that differs; a case whose
+statistics are missing, non-numeric, negative or not finite is an error naming the file and the case (exit
+status 2).
 
 ``--plots DIR`` draws the plots of `cs336_systems.reporting.plots` (needs matplotlib, the ``plot`` extra) and links
 them at the end of the report, relative to the report's directory.
@@ -55,6 +60,7 @@ from cs336_systems.reporting.run_files import RunFileError
 from cs336_systems.reporting.tables import (
     latest_entries,
     load_entries,
+    machines_differ,
     machine_section,
     relative_link,
 )
@@ -77,12 +83,22 @@ def plots_section(entries: list[dict], machines: list[dict], plots_dir: str | Pa
 
 
 def render(paths: list[str | Path], plots_dir: str | Path | None = None,
-           link_base: str | Path | None = None) -> str:
-    """The Markdown report of the runs; with ``plots_dir``, also the PNG plots, linked at the end."""
+           link_base: str | Path | None = None, any_machine: bool = False) -> str:
+    """The Markdown report of the runs; with ``plots_dir``, also the PNG plots, linked at the end.  Runs from
+    different machines or software (`tables.machines_differ`) are refused (RunFileError): one table would put
+    their times side by side as if comparable.  ``any_machine``: render them anyway, under a warning that
+    names every run that differs."""
     every, machines = load_entries(paths)
+    differ = machines_differ(machines)
+    if differ and not any_machine:
+        raise RunFileError("these runs come from different machines or software, and one report would set their "
+                           "times side by side: " + "; ".join(differ) + ". Render them separately, or pass "
+                           "--any-machine to mark the report as mixing them")
     entries = latest_entries(every)
     sections = [
         "# Benchmark report",
+        ("**Warning: this report mixes runs from different machines or software; ratios across them are not "
+         "comparable.** " + "; ".join(differ)) if differ else "",
         machine_section(machines),
         "Times are per step; MFU uses model FLOPs (cs336_systems.bench.flops) over the datasheet dense peak "
         "(cs336_systems.bench.machine) unless the run passed --peak-tflops."
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=10.0,
                         help="--compare: flag deltas beyond this many percent (default %(default)g)")
     parser.add_argument("--any-machine", action="store_true",
-                        help="--compare: compare runs from different machines (with a warning)")
+                        help="compare (--compare) or render runs from different machines or software, with a "
+                             "warning (refused by default)")
     parser.add_argument("--readme", metavar="README", help="regenerate the Results block of this README from "
                                                            "the committed runs, and its plots")
     args = parser.parse_args(argv)
@@ -150,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             text = compare_runs(*args.compare, threshold=args.threshold, any_machine=args.any_machine)
         else:
             base = Path(args.output).parent if args.output else Path.cwd()
-            text = render(args.runs, plots_dir=args.plots, link_base=base)
+            text = render(args.runs, plots_dir=args.plots, link_base=base, any_machine=args.any_machine)
     except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError,
             UnicodeDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -5,6 +5,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from cs336_systems.reporting import compare as run_compare
 from cs336_systems.reporting import distributed, plots, tables
 from cs336_systems.reporting import lm as lm_tables
@@ -415,7 +417,7 @@ def test_data_parallel_targets_and_ratios_across_runs(tmp_path):
                                                _dp("naive", 120.0, sync_ms=10.0)])
     other = _dist_run(tmp_path, "o.json", [_dp("zero1", 110.0), _dp("individual", 105.0, sync_ms=5.0)],
                       machine=H200 | {"torch": "2.12"})
-    text = report.render([ddp, bucketed, other])
+    text = report.render([ddp, bucketed, other], any_machine=True)  # another torch: marked, not refused
     table = _section(text, "### Data parallel: tiny, context 32")
     # another run of the same machine facts: the ratio is shown, marked; another torch version: none
     assert "| bucketed 25 MiB | 90.00 | 0.900x† | 1.125x† | 1.00 | 1.1 | 90.0% | - |" in table
@@ -961,3 +963,42 @@ def test_cuda_graph_cases_are_their_own_compile_mode_in_the_tables(tmp_path):
     versus = _section(text, "### Own model vs hf-llama (Hugging Face LlamaForCausalLM)")
     assert "| small | 512 | 4 | train-step | bf16 | compiled + CUDA graphs | sdpa | adamw | adamw | 9.30 | 12.40 | 0.75 |" \
         in versus
+
+
+def test_report_refuses_runs_of_different_machines_unless_any_machine(tmp_path, capsys):
+    """One table of an H100 run and another GPU's run would read as one comparison: refused (exit 2) unless
+    --any-machine, which renders them under a warning naming the run that differs."""
+    from cs336_systems.reporting import render
+
+    h100 = _cpu_run_for_report_tests(tmp_path, "a.json", gpu_name="NVIDIA H100 80GB HBM3")
+    h200 = _cpu_run_for_report_tests(tmp_path, "b.json", gpu_name="NVIDIA H200")
+    assert render.main([str(h100), str(h200)]) == 2
+    err = capsys.readouterr().err
+    assert "different machines or software" in err and "gpu_name 'NVIDIA H200'" in err and "--any-machine" in err
+    assert render.main([str(h100), str(h200), "--any-machine"]) == 0
+    out = capsys.readouterr().out
+    assert "mixes runs from different machines" in out and str(h200) in out
+    assert render.main([str(h100), str(_cpu_run_for_report_tests(tmp_path, "c.json",
+                                                                  gpu_name="NVIDIA H100 80GB HBM3"))]) == 0
+
+
+@pytest.mark.parametrize("median", ["12.5", float("nan"), float("inf"), -1.0, None])
+def test_report_refuses_corrupt_statistics_naming_the_file_and_case(tmp_path, capsys, median):
+    from cs336_systems.reporting import render
+
+    path = _cpu_run_for_report_tests(tmp_path, "run.json", gpu_name="NVIDIA H100 80GB HBM3")
+    data = json.loads(path.read_text())
+    data["benchmarks"][0]["stats"]["median"] = median
+    path.write_text(json.dumps(data))
+    assert render.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and data["benchmarks"][0]["name"] in err and "stats.median" in err
+    assert "Traceback" not in err
+
+
+def _cpu_run_for_report_tests(tmp_path, name, gpu_name):
+    path = _run(tmp_path, name, [_bench("small", 128, "forward", "fp32", False, 0.01)])
+    data = json.loads(path.read_text())
+    data["machine_info"]["cs336_systems"]["gpu_name"] = gpu_name
+    path.write_text(json.dumps(data))
+    return path
