@@ -18,15 +18,19 @@ What a baseline guarantees.  Merging refuses:
 * a run saved from a work tree with uncommitted changes (``commit_info.dirty``: its times cannot be traced
   to code), unless ``--allow-dirty``;
 * a refresh that would drop cases or groups the baseline it replaces had (a group whose run was lost),
-  unless ``--allow-partial``.
+  unless ``--allow-partial``;
+* a case that two of the runs measured (which one is the baseline would depend on the files' order), unless
+  ``--later-wins``;
+* an interrupted run (selected cases it did not time: ``perf_not_timed``), a case without statistics, and
+  statistics that are not finite numbers >= 0.
 
 The baseline records the groups it covers (``cs336_groups``: the groups its runs' timed and OOM cases
-name) and the runs it was merged from (``cs336_sources``: file, commit, dirty, groups).  A
-comparison then fails when it compared no case, or when the run has cases of a group the baseline does
-not cover (the root conftest.py, `coverage`): comparing against nothing is not a pass.  What it does not
-guarantee: that a case of a covered group added after the baseline was made is compared (such cases are
-listed, not failed), or that the threshold is above the cases' run-to-run spread (README, "Regression
-gating").
+name), the runs it was merged from (``cs336_sources``: file, commit, dirty, groups) and each case's run
+(``cs336_case_sources``).  A comparison then fails when it compared no case, when the run has cases of a
+group the baseline does not cover, or when it timed cases of a covered group that the baseline lacks (the
+root conftest.py, `coverage`; deselect them with -k to compare the rest): comparing against nothing is not a
+pass.  What it does not guarantee: that a baseline case the run did not time is noticed, or that the
+threshold is above the cases' run-to-run spread (README, "Regression gating").
 
 Refresh, one command on one machine of the kind (each group in its own pytest session, ``a+b`` for groups
 that share one; stops at the first pytest run that fails or saves nothing, then merges)::
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -72,18 +77,39 @@ def run_groups(run: dict) -> list[str]:
     return sorted({g for r in cases if (g := (r.get("extra_info") or {}).get("group"))})
 
 
+_STATS = ("min", "max", "mean", "median", "stddev", "iqr", "q1", "q3")
+
+
 def check_run(run: dict, source: str, allow_dirty: bool = False) -> None:
-    """ValueError unless ``run`` can go into a baseline: timed cases, and a clean commit unless ``allow_dirty``."""
+    """ValueError unless ``run`` can go into a baseline: timed cases, each with statistics that are finite
+    numbers >= 0, no selected case left untimed (an interrupted run: ``perf_not_timed``), and a clean commit
+    unless ``allow_dirty``."""
     if not run.get("benchmarks"):
         raise ValueError(f"{source}: no benchmarks; a baseline made from it would make later comparisons pass "
                          "with nothing compared")
+    for record in run["benchmarks"]:
+        stats = record.get("stats")
+        if not isinstance(stats, dict) or "median" not in stats:
+            raise ValueError(f"{source}: case {_name(record)} has no statistics; a comparison against it would "
+                             "crash or pass")
+        for key in _STATS:
+            value = stats.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{source}: case {_name(record)}: stats.{key} is {value!r}, not a finite number >= 0")
+    not_timed = run.get("perf_not_timed") or []
+    if not_timed:
+        listed = ", ".join(str(r.get("name", r)) if isinstance(r, dict) else str(r) for r in not_timed[:3])
+        raise ValueError(f"{source}: {len(not_timed)} selected case(s) were not timed (an interrupted or failing "
+                         f"run: {listed}{', ...' if len(not_timed) > 3 else ''}); re-run the group")
     if (run.get("commit_info") or {}).get("dirty") and not allow_dirty:
         raise ValueError(f"{source}: saved from a work tree with uncommitted changes (commit {commit_label(run)}), "
                          "so its times cannot be traced to code; re-run at a clean commit, or pass --allow-dirty")
 
 
-def merge_runs(runs: list[dict], sources: list[str] | None = None) -> dict:
-    """One pytest-benchmark run from several of the same machine: later runs win for the same fullname."""
+def merge_runs(runs: list[dict], sources: list[str] | None = None, later_wins: bool = False) -> dict:
+    """One pytest-benchmark run from several of the same machine.  A case (fullname) in two runs is refused
+    (ValueError listing them: which measurement is the baseline would depend on the order of the files)
+    unless ``later_wins``.  ``cs336_case_sources`` records each case's run file."""
     if not runs:
         raise ValueError("merge_runs needs at least one run")
     sources = sources or [f"run {i}" for i in range(len(runs))]
@@ -93,6 +119,8 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None) -> dict:
         raise ValueError(f"{sources[0]}: no machine_info.cs336_systems (not saved by this project's perf suite)")
     # fullname -> ("benchmarks" | "oom", record): a case's latest outcome, timed or out of memory, wins
     merged: dict[str, tuple[str, dict]] = {}
+    origin: dict[str, str] = {}
+    conflicts: list[str] = []
     for run, source in zip(runs, sources):
         other = run.get("machine_info", {}).get("cs336_systems")
         if other is None:
@@ -103,12 +131,22 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None) -> dict:
             raise ValueError(f"{source} comes from another machine or software than {sources[0]} ({listed})")
         for kind in ("benchmarks", "oom"):
             for record in run.get(kind, []):
-                merged[_name(record)] = (kind, record)
+                name = _name(record)
+                if name in origin and origin[name] != source:
+                    conflicts.append(f"{name} ({origin[name]} and {source})")
+                merged[name] = (kind, record)
+                origin[name] = source
+    if conflicts and not later_wins:
+        shown = "".join(f"\n    {c}" for c in conflicts[:10]) + (f"\n    ... and {len(conflicts) - 10} more"
+                                                                  if len(conflicts) > 10 else "")
+        raise ValueError(f"{len(conflicts)} case(s) appear in more than one run:{shown}\nmerge runs of different "
+                         "groups, or pass --later-wins to keep each case from the last file that has it")
     skip = ("benchmarks", "oom", "perf_groups", "perf_not_timed")
     out = {key: value for key, value in first.items() if key not in skip}
     out["benchmarks"] = [record for kind, record in merged.values() if kind == "benchmarks"]
     out["oom"] = [record for kind, record in merged.values() if kind == "oom"]
     out["cs336_groups"] = sorted({g for run in runs for g in run_groups(run)})
+    out["cs336_case_sources"] = {name: Path(origin[name]).name for name in merged}
     out["cs336_sources"] = [
         {"file": Path(source).name, "commit": (run.get("commit_info") or {}).get("id"),
          "dirty": bool((run.get("commit_info") or {}).get("dirty")), "groups": run_groups(run)}
@@ -136,7 +174,7 @@ def storage_machine_id(machine_info: dict) -> str:
 
 
 def write_baseline(runs_paths: list[Path], storage: Path, *, allow_partial: bool = False,
-                   allow_dirty: bool = False, log=print) -> Path:
+                   allow_dirty: bool = False, later_wins: bool = False, log=print) -> Path:
     """Merge the saved runs into ``storage/<machine_id>/0001_baseline.json`` (replacing it); return the path.
 
     ValueError (nothing written) for a run `check_run` refuses, runs of different machines, or a refresh
@@ -145,7 +183,7 @@ def write_baseline(runs_paths: list[Path], storage: Path, *, allow_partial: bool
     runs = [read_run(path) for path in runs_paths]
     for run, path in zip(runs, runs_paths):
         check_run(run, str(path), allow_dirty)
-    merged = merge_runs(runs, [str(p) for p in runs_paths])
+    merged = merge_runs(runs, [str(p) for p in runs_paths], later_wins=later_wins)
     target = Path(storage) / storage_machine_id(merged["machine_info"]) / BASELINE_NAME
     if target.exists():
         cases, groups = dropped(read_run(target), merged)
@@ -189,6 +227,9 @@ class Coverage:
             listed = ", ".join(f"{g} ({n} case(s))" for g, n in sorted(self.uncovered_groups.items()))
             out.append(f"the baseline does not cover group(s) {listed}; it covers "
                        f"{', '.join(self.baseline_groups) or 'no named group'}. Refresh it with those groups")
+        if self.missing:
+            out.append(f"{len(self.missing)} case(s) of group(s) the baseline covers are not in it (listed below), "
+                       "so they were not compared; refresh the baseline with them, or deselect them (-k)")
         return out
 
 
@@ -246,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace a baseline even if cases or groups it had are missing from the new runs")
     parser.add_argument("--allow-dirty", action="store_true",
                         help="accept runs saved from a work tree with uncommitted changes")
+    parser.add_argument("--later-wins", action="store_true",
+                        help="a case in several runs: keep the last file's (refused by default)")
     args = parser.parse_args(argv)
     if args.groups:
         print("\n".join(matrix.load(matrix.DEFAULT_PATH).groups(args.groups)))
@@ -262,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--refresh {args.refresh!r}: no group named")
             paths = refresh(specs, args.profile, args.runs_dir, args.pytest_command)
         target = write_baseline(paths, args.storage, allow_partial=args.allow_partial,
-                                allow_dirty=args.allow_dirty, log=lambda m: print(m, file=sys.stderr))
+                                allow_dirty=args.allow_dirty, later_wins=args.later_wins,
+                                log=lambda m: print(m, file=sys.stderr))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

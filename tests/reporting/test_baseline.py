@@ -96,9 +96,35 @@ def _save(path, data):
     return path
 
 
-def test_merge_keeps_every_case_and_later_runs_win():
-    merged = baseline.merge_runs([_run_json("H100", [("a", 1.0), ("b", 2.0)]), _run_json("H100", [("b", 3.0)])])
+def test_merge_refuses_a_case_of_two_runs_unless_later_wins_and_records_each_cases_run():
+    runs = [_run_json("H100", [("a", 1.0), ("b", 2.0)]), _run_json("H100", [("b", 3.0)])]
+    with pytest.raises(ValueError, match=r"1 case\(s\) appear in more than one run:\n    b \(x.json and y.json\)"):
+        baseline.merge_runs(runs, ["x.json", "y.json"])
+    merged = baseline.merge_runs(runs, ["x.json", "y.json"], later_wins=True)
     assert {b["fullname"]: b["stats"]["median"] for b in merged["benchmarks"]} == {"a": 1.0, "b": 3.0}
+    assert merged["cs336_case_sources"] == {"a": "x.json", "b": "y.json"}
+    distinct = baseline.merge_runs([_run_json("H100", [("a", 1.0)]), _run_json("H100", [("b", 3.0)])],
+                                   ["x.json", "y.json"])
+    assert distinct["cs336_case_sources"] == {"a": "x.json", "b": "y.json"}
+
+
+@pytest.mark.parametrize("stats, match", [
+    (None, "has no statistics"), ({"mean": 1.0}, "has no statistics"),
+    ({"median": "1.0"}, r"stats.median is '1.0'"), ({"median": float("nan")}, "stats.median is nan"),
+    ({"median": 1.0, "max": float("inf")}, "stats.max is inf"), ({"median": -1.0}, "stats.median is -1.0"),
+])
+def test_a_run_with_missing_or_corrupt_statistics_is_refused(stats, match):
+    run = _run_json("H100", [("a", 1.0)])
+    run["benchmarks"][0]["stats"] = stats
+    with pytest.raises(ValueError, match=f"x.json: case a.*{match}"):
+        baseline.check_run(run, "x.json")
+
+
+def test_an_interrupted_run_is_refused():
+    run = _run_json("H100", [("a", 1.0)])
+    run["perf_not_timed"] = [{"name": "b", "reason": "not run (the session ended first)"}]
+    with pytest.raises(ValueError, match=r"x.json: 1 selected case\(s\) were not timed .*: b\); re-run"):
+        baseline.check_run(run, "x.json")
 
 
 def test_merge_keeps_each_cases_latest_outcome_timed_or_oom():
@@ -108,7 +134,7 @@ def test_merge_keeps_each_cases_latest_outcome_timed_or_oom():
         return data
 
     # x OOMed, then a re-run timed it; y was timed, then OOMed; z OOMed twice
-    merged = baseline.merge_runs([run([("y", 2.0)], ["x", "z"]), run([("x", 1.0)], ["y", "z"])])
+    merged = baseline.merge_runs([run([("y", 2.0)], ["x", "z"]), run([("x", 1.0)], ["y", "z"])], later_wins=True)
     assert {b["fullname"]: b["stats"]["median"] for b in merged["benchmarks"]} == {"x": 1.0}
     assert sorted(o["fullname"] for o in merged["oom"]) == ["y", "z"]
 
@@ -231,8 +257,9 @@ def test_coverage_fails_a_comparison_of_nothing_and_a_group_the_baseline_lacks()
     assert other.compared == 1
     assert other.problems() == ["the baseline does not cover group(s) g2 (2 case(s)); it covers g1. Refresh it "
                                 "with those groups"]
-    new_case = baseline.coverage({"a": "g1", "e": "g1"}, [base])  # a case added to a covered group: listed
-    assert new_case.problems() == [] and new_case.missing == ["e"]
+    new_case = baseline.coverage({"a": "g1", "e": "g1"}, [base])  # a case of a covered group the baseline lacks
+    assert new_case.missing == ["e"] and "1 case(s) of group(s) the baseline covers are not in it" in (
+        new_case.problems()[0])
 
 
 def test_a_compare_that_matches_no_case_of_the_run_fails_the_session(sleepy, monkeypatch):
