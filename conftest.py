@@ -13,14 +13,15 @@ Options
                                 present, else cpu)
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
-  --compare-any-machine         allow --benchmark-compare across GPUs / versions (warning only)
+  --compare-any-machine         allow --benchmark-compare across GPUs / versions / switches (warning only)
   --cool-down-s=S               before each GPU perf case wait up to S seconds (default 10; 0: never)
                                 for the GPU to cool to its first case's temperature + 3 deg C
                                 (`cs336_systems.bench.gpu_telemetry`; needs pynvml)
 
 pytest-benchmark integration
-  machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton), and
-  comparing against a saved run whose GPU or versions differ is refused with the list of differences
+  machine_info gains a "cs336_systems" entry (GPU name/count, driver, CUDA, cuDNN, torch, triton, the
+  CS336_* switches set), and comparing against a saved run whose GPU name or count, CUDA, torch, triton,
+  cuDNN, driver or set of CS336_* switches differ is refused with the list of differences
   (``--compare-any-machine`` turns the refusal into a loud warning): absolute times do not transfer
   between machines.  A ``--benchmark-compare`` that compared none of the run's timed cases, or a run with
   cases of a group the baseline does not cover, fails the session (`reporting.baseline.coverage`); a
@@ -219,11 +220,12 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 def pytest_benchmark_compare_machine_info(config, benchmarksession, machine_info, compared_benchmark):
     ours = machine_info.get("cs336_systems", {})
     theirs = compared_benchmark.get("machine_info", {}).get("cs336_systems", {})
-    differences = machine.incomparable_fields(ours, theirs)
+    differences = machine.incomparable_fields(ours, theirs) + machine.baseline_differences(ours, theirs)
     if differences:
         lines = "\n".join(f"    {field}: now {a!r}, saved {b!r}" for field, a, b in differences)
         message = (
-            "\n" + "!" * 78 + "\nCOMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE: absolute times do not transfer."
+            "\n" + "!" * 78 + "\nCOMPARING RUNS FROM DIFFERENT GPUS, SOFTWARE OR SWITCHES: absolute times do not "
+            "transfer."
             f"\n{lines}\nCompare only runs from the same machine and versions, or use in-run ratios "
             "(benchmarks.json gates).\n" + "!" * 78
         )

@@ -107,3 +107,18 @@ def default_profile() -> str:
 def incomparable_fields(a: dict, b: dict) -> list[tuple[str, object, object]]:
     """(field, value in a, value in b) for each COMPARABLE_FIELDS entry on which two runs differ."""
     return [(f, a.get(f), b.get(f)) for f in COMPARABLE_FIELDS if a.get(f) != b.get(f)]
+
+
+# What a baseline comparison also holds equal (`baseline_differences`), beyond COMPARABLE_FIELDS: the cuDNN and
+# the driver (SDPA's kernels and the GPU's clocks change with them), and the library's switches set in the
+# environment (a run with a kernel switched off is an A/B run, not a regression check).  Reports and A/B
+# comparisons do not hold these equal: an A/B pair differs in its switches on purpose.
+BASELINE_FIELDS = ("cudnn", "driver", "switches")
+
+
+def baseline_differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
+    """(field, value in a, value in b) for each BASELINE_FIELDS entry on which two runs differ (a run saved
+    without a field, before it was recorded, is not held to it)."""
+    return [(f, a.get(f), b.get(f)) for f in BASELINE_FIELDS
+            if f in a and f in b and (a.get(f) or {} if f == "switches" else a.get(f))
+            != (b.get(f) or {} if f == "switches" else b.get(f))]

@@ -154,11 +154,30 @@ def test_comparing_runs_from_another_gpu_is_refused_unless_forced(project):
     result = project.run(*args, "--benchmark-compare=0001")
     output = result.stdout.str() + result.stderr.str()
     assert result.ret == pytest.ExitCode.USAGE_ERROR  # refused by default
-    assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in output
+    assert "COMPARING RUNS FROM DIFFERENT GPUS, SOFTWARE OR SWITCHES" in output
     assert "saved 'Imaginary GPU 9000'" in output and "--compare-any-machine" in output
     forced = project.run(*args, "--benchmark-compare=0001", "--compare-any-machine")
     forced.assert_outcomes(passed=2)
-    assert "COMPARING RUNS FROM DIFFERENT GPUS OR SOFTWARE" in forced.stdout.str() + forced.stderr.str()
+    assert "COMPARING RUNS FROM DIFFERENT GPUS, SOFTWARE OR SWITCHES" in forced.stdout.str() + forced.stderr.str()
+    # the same GPU and versions, but another cuDNN, driver or set of switches: refused too
+    for field, value in (("cudnn", 1), ("driver", "0.0.0"), ("switches", {"CS336_FLASH_FUSED_BWD": "0"})):
+        changed = json.loads(json.dumps(data))
+        changed["machine_info"]["cs336_systems"]["gpu_name"] = machine.machine_facts()["gpu_name"]
+        changed["machine_info"]["cs336_systems"][field] = value
+        saved.write_text(json.dumps(changed))
+        result = project.run(*args, "--benchmark-compare=0001")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, field
+        assert f"    {field}: now " in result.stdout.str() + result.stderr.str()
+
+
+def test_baseline_differences_hold_cudnn_driver_and_switches_equal():
+    a = {"cudnn": 91900, "driver": "580", "switches": {}}
+    assert machine.baseline_differences(a, dict(a)) == []
+    assert machine.baseline_differences(a, a | {"switches": {"CS336_FLASH_TMA": "0"}}) == [
+        ("switches", {}, {"CS336_FLASH_TMA": "0"})]
+    assert machine.baseline_differences(a, a | {"cudnn": 91000})[0][0] == "cudnn"
+    assert machine.baseline_differences(a, {"cudnn": 91900}) == []  # a run saved before a field was recorded
+    assert machine.baseline_differences(a, a | {"switches": None}) == []  # no switches set, either way
 
 
 def test_same_machine_comparison_is_quiet(project):
