@@ -274,7 +274,7 @@ def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int,
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
-    """dk, dv (like k, v; TMA strides, `flash_fwd_hopper.aligned`) written in place; lse, delta (Z, H, Nq)
+    """dk, dv (like k, v; TMA strides, `plan.tma_layout_ok`) written in place; lse, delta (Z, H, Nq)
     contiguous float32.
 
     d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key

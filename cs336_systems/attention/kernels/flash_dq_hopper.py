@@ -191,7 +191,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
 
 
 def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
-    """dq_out (like q; TMA strides, `flash_fwd_hopper.aligned`) and delta ((Z, H, Nq) contiguous float32)
+    """dq_out (like q; TMA strides, `plan.tma_layout_ok`) and delta ((Z, H, Nq) contiguous float32)
     written in place; lse is the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `flash_launch.direct`,
     or a `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]

@@ -342,19 +342,6 @@ def flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_
     tma.store_wait(0)
 
 
-def strides_ok(t: torch.Tensor) -> bool:
-    """TMA strides: unit on d, and every other one a positive multiple of 16 bytes (a broadcast, zero-stride
-    dimension of size > 1 is refused: not a layout these kernels were tested with)."""
-    size = t.element_size()
-    return t.stride(-1) == 1 and all((s * size) % 16 == 0 and (s > 0 or n == 1)
-                                     for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-
-
-def aligned(t: torch.Tensor) -> bool:
-    """`strides_ok` and a 16-byte aligned base address."""
-    return t.data_ptr() % 16 == 0 and strides_ok(t)
-
-
 def enough_work(programs: int, device: torch.device, per_sm: int) -> bool:
     """At least `per_sm` programs per SM of the device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -400,7 +387,7 @@ def descriptor(t: torch.Tensor, rows: int):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
-    TMA strides (`aligned`), k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
+    TMA strides (`plan.tma_layout_ok`), k and v with H_kv heads dividing H.  ``wrap``: `flash_launch.direct`, or a
     `flash_replay.Recorder` recording the launch.  (At d 64 and 128 the plan takes the warp-specialized
     form of this kernel instead: flash_fwd_hopper_ws, same results bit for bit.)"""
     n_q, d = q.shape[-2:]

@@ -176,7 +176,7 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in
-    HEAD_DIMS, with TMA strides (`flash_fwd_hopper.aligned`), k and v with H_kv heads dividing H.  ``wrap``:
+    HEAD_DIMS, with TMA strides (`plan.tma_layout_ok`), k and v with H_kv heads dividing H.  ``wrap``:
     `flash_launch.direct`, or a `flash_replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     if d not in HEAD_DIMS:
