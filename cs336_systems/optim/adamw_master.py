@@ -109,6 +109,19 @@ def _check_non_negative(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
 
 
+def _check_betas(name: str, betas: object) -> None:
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{name} must be two numbers in [0, 1), got {betas!r}")
+
+
+def _check_group(group: dict, where: str) -> None:
+    """A param group's hyperparameters (as the constructor checks its defaults), naming the group."""
+    for key in ("lr", "eps", "weight_decay"):
+        _check_non_negative(f"{where}: {key}", group.get(key))
+    _check_betas(f"{where}: betas", group.get("betas"))
+
+
 class AdamWMaster(torch.optim.Optimizer):
     """AdamW over float32 masters; ``compute_params`` are held by the model in ``compute_dtype`` (module docstring).
 
@@ -117,6 +130,12 @@ class AdamWMaster(torch.optim.Optimizer):
     (int16, ``master_format`` "split") or "master" (float32, "float32").  ``master_format`` None: "split" for
     a bf16 ``compute_dtype``, "float32" for fp16.  With split masters the model's bf16 weights are half of
     each master: a checkpoint needs the model's state dict as well as this optimizer's.
+
+    Each param group's own hyperparameters are checked as the defaults are (at construction and in
+    `add_param_group`, which also takes float32 parameters only).  `load_state_dict` refuses, before loading
+    anything, a state whose compute parameters have no master (a `torch.optim.AdamW` state dict: the weights
+    would go on in bf16 without their float32 masters), state tensors of other shapes, and bad saved group
+    hyperparameters; torch AdamW's state for parameters that are their own masters loads.
     """
 
     def __init__(
@@ -134,9 +153,7 @@ class AdamWMaster(torch.optim.Optimizer):
     ) -> None:
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             _check_non_negative(name, value)
-        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        _check_betas("betas", betas)
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         if impl not in IMPLS:
@@ -173,6 +190,27 @@ class AdamWMaster(torch.optim.Optimizer):
                 if not self._is_compute(p) and p.dtype != torch.float32:
                     raise ValueError(f"params not in compute_params must be float32 (they are their own masters); "
                                      f"got one of dtype {p.dtype} and shape {tuple(p.shape)}")
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, and each group's hyperparameters checked as the constructor checks its defaults (a group's
+        own ``lr=-1`` or ``weight_decay=nan`` would otherwise train wrong or fail only at `step`); a group added
+        after construction must hold float32 parameters (they are their own masters: compute parameters are
+        chosen when the optimizer is built)."""
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group(group, f"param group {index}")
+            if getattr(self, "_built", False):
+                for p in group["params"]:
+                    if p.dtype != torch.float32:
+                        raise ValueError(f"param group {index}: a group added after construction must hold float32 "
+                                         f"parameters (their own masters); got one of dtype {p.dtype} and shape "
+                                         f"{tuple(p.shape)}")
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _is_compute(self, p: torch.Tensor) -> bool:
         return "master" in self.state[p] or "master_lo" in self.state[p]
@@ -237,14 +275,40 @@ class AdamWMaster(torch.optim.Optimizer):
             adamw_update_reference(master, grad, state["exp_avg"], state["exp_avg_sq"], compute,
                                    sqrt_bias2=sqrt_bias2, **args)
 
+    def _check_loadable(self, state_dict: dict) -> None:
+        """ValueError, before anything is loaded, for a state dict this optimizer cannot resume from: one whose
+        compute parameters have no master (a `torch.optim.AdamW` state dict, or another ``master_format``:
+        the weights would go on training without their float32 masters), state tensors of other shapes (a
+        model of other sizes), or group hyperparameters the constructor would refuse."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            return  # torch's own error names the mismatch
+        key = "master_lo" if self.master_format == "split" else "master"
+        for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            _check_group(saved, f"saved param group {gi}")
+            for pi, (saved_id, p) in enumerate(zip(saved["params"], group["params"])):
+                where = f"param group {gi}, parameter {pi} (shape {tuple(p.shape)})"
+                state = state_dict.get("state", {}).get(saved_id, {})
+                if self._is_compute(p) and key not in state:
+                    raise ValueError(f"{where}: the saved state has no {key!r} (keys: {sorted(state) or 'none'}); it is "
+                                     f"not an AdamWMaster state with master_format {self.master_format!r} (a "
+                                     "torch.optim.AdamW state dict?), and loading it would drop the float32 masters")
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor) and name != "step" and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(f"{where}: the saved {name!r} has shape {tuple(value.shape)}; the state of a "
+                                         "model of other sizes")
+
     def load_state_dict(self, state_dict: dict) -> None:
         # torch's loader casts every state tensor to a floating-point parameter's dtype, which would round the
         # float32 masters and moments of a bf16 parameter and turn the int16 low bits into bf16 numbers; put the
         # saved tensors back as they were (pairing saved and current parameters in group order, as torch does).
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(saved_id, {}).items():
-                if isinstance(value, torch.Tensor):
+                if key == "step":  # torch's AdamW saves a tensor: the update's bias correction takes a number
+                    self.state[p][key] = int(value.item()) if isinstance(value, torch.Tensor) else value
+                elif isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device=p.device, copy=True)

@@ -364,3 +364,86 @@ def test_kernel_compiles_for_sm90_in_both_master_formats():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("group", "match"), [
+    ({"lr": -1.0}, r"param group 0: lr must be a finite non-negative number, got -1.0"),
+    ({"weight_decay": float("nan")}, r"param group 0: weight_decay must be a finite non-negative number, got nan"),
+    ({"betas": (2, 2)}, r"param group 0: betas must be two numbers in \[0, 1\), got \(2, 2\)"),
+    ({"eps": "1e-8"}, r"param group 0: eps must be"),
+])
+def test_per_group_hyperparameters_are_checked_at_construction(group, match):
+    """A group's own lr, betas, eps or weight_decay are checked as the defaults are (betas (2, 2) used to
+    fail only at step() with a math domain error)."""
+    with pytest.raises(ValueError, match=match):
+        AdamWMaster([{"params": [torch.nn.Parameter(torch.zeros(2))], **group}])
+
+
+def test_add_param_group_checks_hyperparameters_and_dtype():
+    opt = AdamWMaster([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="param group 1: lr must be a finite non-negative number, got -1.0"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1.0})
+    with pytest.raises(ValueError, match="param group 1: a group added after construction must hold float32 "
+                                         "parameters.*torch.float16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))]})
+    assert len(opt.param_groups) == 1  # a refused group is not kept
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("fmt", MASTER_FORMATS)
+def test_a_torch_adamw_state_dict_is_refused_where_it_would_drop_the_masters(fmt):
+    """torch.optim.AdamW's state has no masters: loading it into compute parameters would train the bf16
+    weights without their float32 masters, so it is refused, naming the parameter and the missing key."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    plain = torch.optim.AdamW([p])
+    p.grad = torch.ones_like(p)
+    plain.step()
+    q = torch.nn.Parameter(torch.randn(4, 3))
+    opt = AdamWMaster([q], compute_params=[q], impl="torch", master_format=fmt)
+    key = "master_lo" if fmt == "split" else "master"
+    with pytest.raises(ValueError, match=rf"param group 0, parameter 0 \(shape \(4, 3\)\): the saved state has no "
+                                         rf"'{key}'.*torch.optim.AdamW"):
+        opt.load_state_dict(plain.state_dict())
+    assert key in opt.state[q]  # nothing was loaded
+
+
+def test_a_torch_adamw_state_dict_loads_where_no_master_is_needed():
+    """Without compute parameters (every parameter its own master) torch's AdamW state is the same state:
+    it loads, its tensor step becoming a number, and the next step matches torch's."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    plain = torch.optim.AdamW([p], lr=0.1)
+    for _ in range(2):
+        p.grad = torch.randn(5)
+        plain.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = AdamWMaster([q], lr=0.1, impl="torch")
+    opt.load_state_dict(plain.state_dict())
+    assert opt.state[q]["step"] == 2 and isinstance(opt.state[q]["step"], int)
+    grad = torch.randn(5)
+    p.grad, q.grad = grad.clone(), grad.clone()
+    plain.step()
+    opt.step()
+    torch.testing.assert_close(q, p)
+
+
+def test_state_of_a_model_of_other_shapes_is_refused_at_load():
+    a = torch.nn.Parameter(torch.randn(4, 3))
+    opt = AdamWMaster([a], compute_params=[a], impl="torch")
+    a.grad = torch.ones_like(a)
+    opt.step()
+    b = torch.nn.Parameter(torch.randn(8, 3))
+    other = AdamWMaster([b], compute_params=[b], impl="torch")
+    with pytest.raises(ValueError, match=r"param group 0, parameter 0 \(shape \(8, 3\)\): the saved 'master_lo' has "
+                                         r"shape \(4, 3\); the state of a model of other sizes"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_saved_group_hyperparameters_are_checked_at_load():
+    a = torch.nn.Parameter(torch.randn(3))
+    opt = AdamWMaster([a], impl="torch")
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="saved param group 0: lr must be a finite non-negative number, got -1.0"):
+        opt.load_state_dict(saved)
