@@ -234,22 +234,34 @@ class AdamWMaster(torch.optim.Optimizer):
                              f"tensors on {sorted({str(t.device) for t in tensors})}")
         return True
 
+    # torch.amp.GradScaler: `scaler.step(opt)` then checks the gradients for infs itself (in any dtype, fp16
+    # included) and hands this step the scale (`grad_scale`) and the verdict (`found_inf`) instead of unscaling
+    # the gradients in place, which it refuses for fp16 gradients: the fp16 compute parameters' gradients are
+    # unscaled here, in float32, on their way into the update.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            return loss  # a step with an inf or NaN gradient is skipped (GradScaler then lowers its scale)
+        inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group)
+                    self._update(p, group, inv_scale)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, group: dict, inv_scale: float | None = None) -> None:
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError("AdamWMaster does not support sparse gradients")
+        if inv_scale is not None:  # GradScaler's scale, divided out in float32 (a new tensor: p.grad stays)
+            grad = grad.to(torch.float32) * inv_scale
         state = self.state[p]
         lo = state.get("master_lo")
         master = None if lo is not None else state.get("master", p)

@@ -447,3 +447,36 @@ def test_saved_group_hyperparameters_are_checked_at_load():
     saved["param_groups"][0]["lr"] = -1.0
     with pytest.raises(ValueError, match="saved param group 0: lr must be a finite non-negative number, got -1.0"):
         opt.load_state_dict(saved)
+
+
+def test_fp16_compute_parameters_train_with_the_projects_grad_scaler():
+    """compute_dtype float16 with `amp.grad_scaler("fp16")`: GradScaler refuses to unscale fp16 gradients in
+    place, so AdamWMaster takes the scale and the inf check from it and unscales in float32: a scaled step
+    equals the unscaled one, and a step with an inf gradient is skipped while the scale drops."""
+    from cs336_systems import amp
+
+    torch.manual_seed(0)
+    w0 = torch.randn(6, 4)
+    # small, as gradients are: scaled by GradScaler's 65536 they stay finite in fp16 (exact in fp16 either way)
+    target = (torch.randn(6, 4) * 1e-3).half().float()
+    plain_w = torch.nn.Parameter(w0.clone())
+    plain = AdamWMaster([plain_w], compute_params=[plain_w], compute_dtype=torch.float16, impl="torch", lr=0.1)
+    (plain_w.float() * target).sum().backward()
+    plain.step()
+    w = torch.nn.Parameter(w0.clone())
+    opt = AdamWMaster([w], compute_params=[w], compute_dtype=torch.float16, impl="torch", lr=0.1)
+    scaler = amp.grad_scaler("fp16", "cpu")
+    scaler.scale((w.float() * target).sum()).backward()
+    assert w.grad.dtype == torch.float16 and float(scaler.get_scale()) > 1
+    scale = float(scaler.get_scale())
+    scaler.step(opt)
+    scaler.update()
+    torch.testing.assert_close(opt.master(w), plain.master(plain_w))
+    assert opt.state[w]["step"] == 1
+    before = opt.master(w).clone()
+    opt.zero_grad()
+    scaler.scale((w.float() * float("inf")).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(opt.master(w), before) and opt.state[w]["step"] == 1  # skipped
+    assert float(scaler.get_scale()) < scale
