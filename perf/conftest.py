@@ -48,8 +48,12 @@ saved run the same way.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +74,7 @@ SELECTED_KEY = pytest.StashKey[dict]()  # nodeid -> (test name, case) of every p
 OUTCOMES_KEY = pytest.StashKey[dict]()  # nodeid -> why a perf case did not pass ("skipped: ...", "failed: ...")
 GATES_KEY = pytest.StashKey[list]()
 GATES_ERROR_KEY = pytest.StashKey[str]()  # an ambiguous gate (gates.evaluate raised)
+RUN_JSON_KEY = pytest.StashKey[dict]()  # the run as pytest-benchmark is about to write it (--benchmark-json)
 GATES_IDLE_KEY = pytest.StashKey[str]()  # why the gates were not evaluated (nothing timed by design)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -405,6 +410,37 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     output_json["perf_profile"] = _profile(config)
     output_json["perf_groups"] = _selected_groups(config)
     output_json["perf_not_timed"] = _not_timed(config)
+    config.stash[RUN_JSON_KEY] = output_json
+
+
+def _written(target) -> bool:
+    """Whether ``target`` (a path, or an open file's name) holds a saved run."""
+    try:
+        data = json.loads(Path(getattr(target, "name", target)).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("benchmarks"), list)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A --benchmark-json that could not be written after every case was measured (a full disk, a folder
+    removed meanwhile): save the run to a fallback file and say where, instead of losing it."""
+    run = config.stash.get(RUN_JSON_KEY, None)
+    target = config.getoption("benchmark_json", None)
+    if run is None or target is None or _written(target):
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for folder in (Path.cwd(), Path.home(), Path(tempfile.gettempdir())):
+        fallback = folder / f"perf-run-unsaved-{stamp}-{os.getpid()}.json"
+        try:
+            fallback.write_text(json.dumps(run, indent=1, default=str))
+        except OSError:
+            continue
+        sys.stderr.write(f"\n--benchmark-json={getattr(target, 'name', target)} was not written; the run is saved "
+                         f"in {fallback} instead\n")
+        return
+    sys.stderr.write(f"\n--benchmark-json={getattr(target, 'name', target)} was not written, and no fallback "
+                     "file could be written either (current folder, home, temp): the run is lost\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

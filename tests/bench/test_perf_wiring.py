@@ -461,3 +461,26 @@ def test_collect_only_reports_no_gate_as_not_measured(project):
     result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider", "--collect-only")
     assert result.ret == 0, result.stdout.str()
     assert "not measured" not in result.stdout.str()
+
+
+def test_a_run_json_that_fails_to_write_after_measuring_is_saved_to_a_fallback(project, monkeypatch):
+    """A write of --benchmark-json that fails after every case was measured (a full disk) keeps the run in a
+    fallback file, and the session says where."""
+    import errno
+
+    from pytest_benchmark.session import BenchmarkSession
+
+    def full_disk(self, output_json):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BenchmarkSession, "save_json", full_disk)
+    monkeypatch.chdir(project.path)
+    target = project.path / "run.json"
+    result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider",
+                         f"--benchmark-json={target}")
+    err = result.stderr.str()
+    assert "run.json was not written; the run is saved in" in err, err
+    fallback = Path(err.split("the run is saved in ")[1].split(" instead")[0])
+    saved = json.loads(fallback.read_text())
+    assert len(saved["benchmarks"]) == 2 and saved["perf_profile"] == "cpu"
+    assert not target.exists()
