@@ -16,6 +16,10 @@ them at the end of the report, relative to the report's directory.
 median, delta %, flagged beyond ``--threshold`` percent; runs from different machines are refused (exit
 status 2) unless ``--any-machine``.
 
+``--history DIR`` lists the headline cases of a results folder across every committed version of its runs
+(`cs336_systems.reporting.history`), a step marked where the median moves beyond ``--threshold`` percent and
+stays there.
+
 ``--readme`` rewrites the generated block of the README's "## Results" section from the committed runs
 (`cs336_systems.reporting.readme_block`); everything outside its markers is left as it is.
 
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s RUN.json [RUN.json ...] [-o report.md] [--plots DIR]\n"
               "       %(prog)s --compare OLD.json NEW.json [-o diff.md] [--threshold PCT] [--any-machine]\n"
-              "       %(prog)s --readme README.md")
+              "       %(prog)s --readme README.md\n"
+              "       %(prog)s --history results/GPU/ [--case TEXT ...] [--threshold PCT] [-o history.md]")
     parser.add_argument("runs", nargs="*", help="saved pytest-benchmark JSON files")
     parser.add_argument("-o", "--output", help="write Markdown here instead of stdout")
     parser.add_argument("--plots", metavar="DIR", help="also draw PNG plots into DIR and link them (needs the "
@@ -142,12 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--any-machine", action="store_true",
                         help="compare (--compare) or render runs from different machines or software, with a "
                              "warning (refused by default)")
+    parser.add_argument("--history", metavar="DIR", help="the headline cases of a results folder across every "
+                                                          "committed version of its runs, steps marked")
+    parser.add_argument("--case", action="append", help="--history: cases whose test id contains this text "
+                                                        "(repeatable; default: the compiled leaderboard and "
+                                                        "end-to-end cases)")
     parser.add_argument("--readme", metavar="README", help="regenerate the Results block of this README from "
                                                            "the committed runs, and its plots")
     args = parser.parse_args(argv)
-    modes = [bool(args.runs), args.compare is not None, args.readme is not None]
+    modes = [bool(args.runs), args.compare is not None, args.readme is not None, args.history is not None]
     if sum(modes) != 1:
-        parser.error("give either RUN.json files, or --compare OLD NEW, or --readme README")
+        parser.error("give either RUN.json files, or --compare OLD NEW, or --readme README, or --history DIR")
     if args.threshold <= 0 or not math.isfinite(args.threshold):
         parser.error(f"--threshold must be a positive percentage, got {args.threshold:g}")
     if args.plots is not None and not args.runs:
@@ -163,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             changed = update_readme(args.readme)
             print(f"{args.readme}: results block {'updated' if changed else 'already up to date'}")
             return 0
-        if args.compare is not None:
+        if args.history is not None:
+            from cs336_systems.reporting.history import DEFAULT_CASES, render_history
+
+            text = render_history(Path(args.history), tuple(args.case or DEFAULT_CASES), args.threshold)
+        elif args.compare is not None:
             text = compare_runs(*args.compare, threshold=args.threshold, any_machine=args.any_machine)
         else:
             base = Path(args.output).parent if args.output else Path.cwd()
