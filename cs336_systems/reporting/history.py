@@ -15,11 +15,15 @@ each (file, machine) pair is its own series, since absolute times do not transfe
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
 import subprocess
+import textwrap
 from pathlib import Path
 
 from cs336_systems.bench.machine import COMPARABLE_FIELDS
+from cs336_systems.reporting import plots
 from cs336_systems.reporting.run_files import RunFileError
 
 DEFAULT_CASES = ("leaderboard[flash-triton", "end_to_end[")
@@ -112,15 +116,36 @@ def mark_steps(points: list[dict], threshold: float) -> list[dict]:
     return points
 
 
-def render_history(folder: Path, cases: tuple[str, ...] = DEFAULT_CASES,
-                   threshold: float = DEFAULT_THRESHOLD) -> str:
-    """The Markdown history of ``folder``'s headline cases (module docstring)."""
+def _plot(file: str, name: str, points: list[dict]) -> plots.Plot:
+    def draw(fig) -> None:
+        fig.set_size_inches(max(4.2, 0.6 * len(points) + 2), 3.4)
+        ax = fig.add_subplot()
+        xs = list(range(len(points)))
+        ax.plot(xs, [p["median_ms"] for p in points], marker="o")
+        steps = [i for i, p in enumerate(points) if p["step"]]
+        ax.scatter(steps, [points[i]["median_ms"] for i in steps], s=120, facecolors="none", edgecolors="red",
+                   label="step", zorder=3)
+        ax.set_xticks(xs, [p["commit"] for p in points], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("median ms")
+        ax.set_title("\n".join(textwrap.wrap(name, 70)), fontsize=8)
+        if steps:
+            ax.legend(fontsize=7)
+
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"history-{file.removesuffix('.json')}-{name}").strip("-").lower()
+    return plots.Plot(slug + ".png", name, draw)
+
+
+def render_history(folder: Path, cases: tuple[str, ...] = DEFAULT_CASES, threshold: float = DEFAULT_THRESHOLD,
+                   plots_dir: str | Path | None = None, link_base: str | Path | None = None) -> str:
+    """The Markdown history of ``folder``'s headline cases (module docstring); with ``plots_dir``, one PNG a
+    case too, linked under its table (relative to ``link_base``)."""
     lines = [f"# History of {folder}", "",
              f"Median per committed version of each run file, oldest first; step: the median leaves the level "
              f"since the last step by more than {threshold:g}% and the next version stays beyond it.", ""]
     found = series(Path(folder), cases)
     if not found:
         raise RunFileError(f"{folder}: no case whose id contains any of {', '.join(cases)} in any version")
+    drawn = []
     for (file, machine, name), points in sorted(found.items()):
         if len(points) < 2:
             continue
@@ -131,6 +156,14 @@ def render_history(folder: Path, cases: tuple[str, ...] = DEFAULT_CASES,
             lines.append(f"| {p['commit']} | {p['date']} | {p['median_ms']:.3f} | {change} | "
                          f"{'**step**' if p['step'] else ''} |")
         lines.append("")
+        if plots_dir is not None:
+            plot = _plot(file, name, points)
+            drawn.append(plot)
+            target = Path(plots_dir) / plot.filename
+            link = Path(os.path.relpath(target, link_base if link_base is not None else Path.cwd()))
+            lines += [f"![{name}]({link.as_posix()})", ""]
     if len(lines) == 4:
         lines.append("No case has more than one committed version.")
+    if drawn:
+        plots.write_plots(drawn, plots_dir)
     return "\n".join(lines) + "\n"

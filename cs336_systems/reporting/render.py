@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either RUN.json files, or --compare OLD NEW, or --readme README, or --history DIR")
     if args.threshold <= 0 or not math.isfinite(args.threshold):
         parser.error(f"--threshold must be a positive percentage, got {args.threshold:g}")
-    if args.plots is not None and not args.runs:
-        parser.error("--plots goes with RUN.json files")
+    if args.plots is not None and not (args.runs or args.history):
+        parser.error("--plots goes with RUN.json files or --history")
     from cs336_systems.reporting.compare import IncomparableRuns, compare_runs
     from cs336_systems.reporting.plots import (
         MissingPlotExtra,  # the module itself needs no matplotlib
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.history is not None:
             from cs336_systems.reporting.history import DEFAULT_CASES, render_history
 
-            text = render_history(Path(args.history), tuple(args.case or DEFAULT_CASES), args.threshold)
+            base = Path(args.output).parent if args.output else Path.cwd()
+            text = render_history(Path(args.history), tuple(args.case or DEFAULT_CASES), args.threshold,
+                                  plots_dir=args.plots, link_base=base)
         elif args.compare is not None:
             text = compare_runs(*args.compare, threshold=args.threshold, any_machine=args.any_machine)
         else:

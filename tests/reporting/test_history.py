@@ -73,3 +73,13 @@ def test_cli_and_its_errors(repo, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunFileError, match="no saved runs"):
         history.series(tmp_path / "empty")
+
+
+def test_history_plots_one_png_per_case_and_links_it(repo, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert render.main(["--history", str(repo / "results/h100"), "-o", str(out / "history.md"),
+                        "--plots", str(out / "plots")]) == 0
+    (png,) = (out / "plots").glob("*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"](plots/{png.name})" in (out / "history.md").read_text()
