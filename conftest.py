@@ -65,6 +65,7 @@ from cs336_systems.reporting import baseline
 
 COMPARED_KEY = pytest.StashKey[list]()  # the saved runs --benchmark-compare loaded
 COVERAGE_KEY = pytest.StashKey[baseline.Coverage]()  # what --benchmark-compare covered of this run
+DESELECTED_KEY = pytest.StashKey[set]()  # node ids deselected on purpose (-k, -m, slow tests left out)
 
 # pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
 pytest_plugins = ["pytester"]
@@ -123,6 +124,13 @@ def _deselect_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[SLOW_LEFT_OUT] = len(slow)
     if hasattr(config, "workeroutput"):  # an xdist worker: it collects, the controller prints the summary
         config.workeroutput["slow_left_out"] = len(slow)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Remember what was deselected on purpose: a --benchmark-compare does not miss their baseline cases."""
+    if items:
+        stash = items[0].config.stash
+        stash.setdefault(DESELECTED_KEY, set()).update(item.nodeid for item in items)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -282,7 +290,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if bench_session is None or not bench_session.compare:
         return
     timed = {b.fullname: (b.extra_info or {}).get("group") for b in bench_session.benchmarks if b}
-    covered = baseline.coverage(timed, session.config.stash.get(COMPARED_KEY, []))
+    covered = baseline.coverage(timed, session.config.stash.get(COMPARED_KEY, []),
+                                session.config.stash.get(DESELECTED_KEY, set()))
     session.config.stash[COVERAGE_KEY] = covered
     if covered.problems() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -304,3 +313,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section(f"--benchmark-compare: {len(covered.missing)} case(s) not in the baseline")
         for name in covered.missing:
             terminalreporter.line(f"not compared: {name}")
+    if covered.not_run:
+        terminalreporter.section(f"--benchmark-compare: {len(covered.not_run)} baseline case(s) did not run")
+        for name in covered.not_run:
+            terminalreporter.line(f"did not run: {name}")

@@ -29,8 +29,9 @@ name), the runs it was merged from (``cs336_sources``: file, commit, dirty, grou
 (``cs336_case_sources``).  A comparison then fails when it compared no case, when the run has cases of a
 group the baseline does not cover, or when it timed cases of a covered group that the baseline lacks (the
 root conftest.py, `coverage`; deselect them with -k to compare the rest): comparing against nothing is not a
-pass.  What it does not guarantee: that a baseline case the run did not time is noticed, or that the
-threshold is above the cases' run-to-run spread (README, "Regression gating").
+pass; and so does a baseline case of a group the run timed that did not run, unless it was deselected
+(-k, -m).  What it does not guarantee: that the threshold is above the cases' run-to-run spread (README,
+"Regression gating").
 
 Refresh, one command on one machine of the kind (each group in its own pytest session, ``a+b`` for groups
 that share one; stops at the first pytest run that fails or saves nothing, then merges)::
@@ -216,6 +217,7 @@ class Coverage:
     baseline_groups: list[str]
     uncovered_groups: dict[str, int] = field(default_factory=dict)  # group -> cases, not in the baseline's groups
     missing: list[str] = field(default_factory=list)  # timed cases of covered groups the baseline lacks
+    not_run: list[str] = field(default_factory=list)  # baseline cases of this run's groups it did not time
 
     def problems(self) -> list[str]:
         """What fails the session: a comparison that compared nothing, or a group the baseline lacks."""
@@ -230,11 +232,17 @@ class Coverage:
         if self.missing:
             out.append(f"{len(self.missing)} case(s) of group(s) the baseline covers are not in it (listed below), "
                        "so they were not compared; refresh the baseline with them, or deselect them (-k)")
+        if self.not_run:
+            out.append(f"{len(self.not_run)} baseline case(s) of the group(s) this run timed did not run (skipped, "
+                       "out of memory, or gone from benchmarks.json; listed below): deselect them (-k) if that is "
+                       "on purpose, or refresh the baseline")
         return out
 
 
-def coverage(timed: dict[str, str | None], baselines: list[dict]) -> Coverage:
-    """``timed``: fullname -> group of each case this run timed; ``baselines``: the saved runs compared with."""
+def coverage(timed: dict[str, str | None], baselines: list[dict], deselected: frozenset[str] | set[str] = frozenset(),
+             ) -> Coverage:
+    """``timed``: fullname -> group of each case this run timed; ``baselines``: the saved runs compared with;
+    ``deselected``: node ids deselected on purpose (-k, -m), whose baseline cases are not missed."""
     names = {_name(r) for b in baselines for r in b.get("benchmarks", [])}
     groups = sorted({g for b in baselines for g in run_groups(b)})
     uncovered: dict[str, int] = {}
@@ -245,7 +253,11 @@ def coverage(timed: dict[str, str | None], baselines: list[dict]) -> Coverage:
         elif name not in names:
             missing.append(name)
     compared = sum(name in names for name in timed)
-    return Coverage(len(timed), compared, groups, uncovered, missing)
+    run_groups_timed = {g for g in timed.values() if g}
+    not_run = sorted({_name(r) for b in baselines for r in b.get("benchmarks", [])
+                      if (r.get("extra_info") or {}).get("group") in run_groups_timed
+                      and _name(r) not in timed and _name(r) not in deselected})
+    return Coverage(len(timed), compared, groups, uncovered, missing, not_run)
 
 
 # --- CLI -----------------------------------------------------------------------------------------------

@@ -253,13 +253,25 @@ def test_coverage_fails_a_comparison_of_nothing_and_a_group_the_baseline_lacks()
     none = baseline.coverage({"x": None}, [base])
     assert none.compared == 0 and "compared none of the 1 case(s) this run timed" in none.problems()[0]
     assert "compared none" in baseline.coverage({}, []).problems()[0]  # nothing timed, or no baseline loaded
-    other = baseline.coverage({"a": "g1", "c": "g2", "d": "g2"}, [base])
+    other = baseline.coverage({"a": "g1", "c": "g2", "d": "g2"}, [base], deselected={"b"})
     assert other.compared == 1
     assert other.problems() == ["the baseline does not cover group(s) g2 (2 case(s)); it covers g1. Refresh it "
                                 "with those groups"]
-    new_case = baseline.coverage({"a": "g1", "e": "g1"}, [base])  # a case of a covered group the baseline lacks
+    new_case = baseline.coverage({"a": "g1", "b": "g1", "e": "g1"}, [base])  # a case the baseline lacks
     assert new_case.missing == ["e"] and "1 case(s) of group(s) the baseline covers are not in it" in (
         new_case.problems()[0])
+
+
+def test_a_baseline_case_that_did_not_run_fails_unless_deselected():
+    """b is in the baseline's g1, which this run timed: a run that did not time it (skipped, OOM, or gone from
+    benchmarks.json) fails the comparison, unless b was deselected on purpose (-k); a group the run did not
+    time at all is not asked for."""
+    base = baseline.merge_runs([_run_json("H100", [("a", 1.0), ("b", 1.0)], group="g1"),
+                                _run_json("H100", [("c", 1.0)], group="g2")], ["x.json", "y.json"])
+    missed = baseline.coverage({"a": "g1"}, [base])
+    assert missed.not_run == ["b"] and "1 baseline case(s) of the group(s) this run timed did not run" in (
+        missed.problems()[0])
+    assert baseline.coverage({"a": "g1"}, [base], deselected={"b"}).problems() == []
 
 
 def test_a_compare_that_matches_no_case_of_the_run_fails_the_session(sleepy, monkeypatch):
