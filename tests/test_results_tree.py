@@ -1,9 +1,10 @@
 """results/ holds what a user reads and nothing else: saved runs, reports, plots and baselines.
 
-Per GPU kind (results/<gpu>/): saved pytest-benchmark runs (*.json), the rendered report and a README
-(*.md), plots (plots/*.png) and the regression baseline (baselines/<machine id>/NNNN_*.json).  No scripts,
-logs or profiler captures; the folder stays small enough to clone without noticing (6 MiB: the current runs,
-plus the small same-run A/B runs, ab-*.json, that back the lever measurements in docs/).  The runs the README's
+Per GPU kind (results/<gpu>/): the newest saved pytest-benchmark run of each suite (*.json), the rendered
+report and a README (*.md), plots (plots/*.png), the regression baseline (baselines/<machine id>/NNNN_*.json),
+and under experiments/ the same-run A/B runs (ab-*.json) that back measured claims in docs/, with an index
+(experiments/README.md: file, claim, doc section).  No scripts, logs or profiler captures; the folder stays
+small enough to clone without noticing (6 MiB).  The runs the README's
 results block shows for a single-GPU kind name a clean commit, so each number traces to code.
 """
 
@@ -30,12 +31,16 @@ def kind(path: Path) -> str | None:
         return None  # results/ itself holds only GPU folders
     if parts[1] == "plots":
         return "plot" if len(parts) == 3 and path.suffix == ".png" else None
+    if parts[1] == "experiments":
+        if len(parts) == 3 and parts[2] == "README.md":
+            return "index"
+        return "run" if len(parts) == 3 and parts[2].startswith("ab-") and path.suffix == ".json" else None
     if parts[1] == "baselines":
         return "baseline" if len(parts) == 4 and re.fullmatch(r"\d{4}_\w+\.json", parts[3]) else None
     if len(parts) == 2 and path.suffix == ".md":
         return "report"
-    if len(parts) == 2 and path.suffix == ".json":
-        return "run"
+    if len(parts) == 2 and path.suffix == ".json" and not parts[1].startswith("ab-"):
+        return "run"  # an A/B run belongs under experiments/
     return None
 
 
@@ -48,7 +53,8 @@ def test_results_exists_and_is_small():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(RESULTS)))
 def test_every_file_is_a_run_report_plot_or_baseline(path):
     what = kind(path)
-    assert what is not None, f"{path.relative_to(ROOT)} is not a saved run, report, plot or baseline"
+    assert what is not None, (f"{path.relative_to(ROOT)} is not a saved run, report, plot, baseline or indexed "
+                              "experiment (A/B runs go under results/<gpu>/experiments/)")
     if what in ("run", "baseline"):
         data = json.loads(path.read_text())
         assert isinstance(data.get("benchmarks"), list) and data["benchmarks"], f"{path}: no benchmarks"
@@ -58,12 +64,29 @@ def test_every_file_is_a_run_report_plot_or_baseline(path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG"
 
 
+@pytest.mark.parametrize("folder", sorted({p.parent for p in FILES if p.parent.name == "experiments"}),
+                         ids=lambda p: str(p.relative_to(RESULTS)))
+def test_every_experiment_is_indexed_with_its_claim_and_where_it_is_cited(folder):
+    index = folder / "README.md"
+    assert index.is_file(), f"{folder.relative_to(ROOT)} has no README.md index"
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(ab-[^`]+\.json)` \|(.*)\|\s*$", index.read_text(),
+                                                         re.M)}
+    files = {p.name for p in folder.glob("ab-*.json")}
+    assert set(rows) == files, f"index rows without a file: {sorted(set(rows) - files)}; files without a row: " \
+                               f"{sorted(files - set(rows))}"
+    for name, cells in rows.items():
+        *_, claim, cited = [c.strip() for c in cells.split("|")]
+        assert claim and cited, f"{index.relative_to(ROOT)}: {name} needs its claim and where it is cited"
+
+
 def test_kind_rejects_what_does_not_belong():
     for bad in ("h100/run.sh", "h100/probes/x.py", "h100/run-2026/leaderboard.json", "h100/gpu.txt",
-                "h100/prof.ncu-rep", "h100/plots/x.svg", "h100/baselines/x.json", "notes.md"):
+                "h100/prof.ncu-rep", "h100/plots/x.svg", "h100/baselines/x.json", "notes.md", "h100/ab-x.json",
+                "h100/experiments/x.json", "h100/experiments/sub/ab-x.json"):
         assert kind(RESULTS / bad) is None, bad
     for good, expected in (("h100/leaderboard.json", "run"), ("h100/report.md", "report"),
-                           ("h100/plots/a.png", "plot"),
+                           ("h100/plots/a.png", "plot"), ("h100/experiments/ab-x.json", "run"),
+                           ("h100/experiments/README.md", "index"),
                            ("h100/baselines/Linux-CPython-3.12-64bit/0001_baseline.json", "baseline")):
         assert kind(RESULTS / good) == expected, good
 

@@ -1,7 +1,7 @@
 """Headline cases across the history of the committed runs: ``cs336-report --history results/<gpu>/``.
 
-A results folder holds the newest run of each suite; git holds the ones before.  For every run file of the
-folder (``ab-*`` A/B files left out) this reads each version git has of it, oldest first, and for each case
+A results folder holds the newest run of each suite (A/B runs live in its ``experiments/``, not read here); git
+holds the ones before.  For every run file of the folder this reads each version git has of it, oldest first, and for each case
 whose test id contains one of ``cases`` (default: the compiled forward+backward leaderboard and end-to-end
 cases) lists the median per version with the commit the run measured (its own ``commit_info``), the
 change against the version before, and a step mark (`mark_steps`): the median leaves the level of the
@@ -65,9 +65,9 @@ def series(folder: Path, cases: tuple[str, ...] = DEFAULT_CASES) -> dict[tuple[s
     repeats the measurement before it (same measured commit and time) is left out; a run saved without a
     commit shows the commit that added it, in parentheses."""
     out: dict[tuple[str, str, str], list[dict]] = {}
-    files = sorted(p for p in Path(folder).glob("*.json") if not p.name.startswith("ab-"))
+    files = sorted(Path(folder).glob("*.json"))
     if not files:
-        raise RunFileError(f"{folder}: no saved runs (*.json other than ab-*)")
+        raise RunFileError(f"{folder}: no saved runs (*.json)")
     for path in files:
         seen = set()
         for commit, run in file_versions(path):

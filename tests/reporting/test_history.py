@@ -35,11 +35,11 @@ def repo(tmp_path):
     # the same measurement committed again (samples dropped): not a new point
     again = _run(medians[-1], "00005", "2026-11-25T10:00") | {"note": "samples dropped"}
     _commit(tmp_path, "results/h100/leaderboard.json", again, "again")
-    _commit(tmp_path, "results/h100/ab-other.json", _run(9.0, "99999", "2026-11-26T10:00"), "an A/B run")
+    _commit(tmp_path, "results/h100/experiments/ab-other.json", _run(9.0, "99999", "2026-11-26T10:00"), "an A/B run")
     return tmp_path
 
 
-def test_history_marks_a_confirmed_step_and_skips_ab_files_and_repeats(repo):
+def test_history_marks_a_confirmed_step_and_skips_experiments_and_repeats(repo):
     found = history.series(repo / "results/h100")
     ((key, points),) = found.items()
     assert key[0] == "leaderboard.json" and key[2] == CASE
