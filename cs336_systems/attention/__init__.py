@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems import switches
 from cs336_systems.attention.checks import check_is_causal, check_qkv, dims_text, is_gqa
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -162,11 +163,9 @@ def attention(
 
 
 def _flash_triton_available(device: torch.device) -> bool:
-    import os
-
     if device.type == "cuda":
         return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return device.type == "cpu" and switches.interpreter_active()
 
 
 def _flash_triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
@@ -187,13 +186,12 @@ def _flash_triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _triton_interpreted() -> bool:
     """Whether flash-triton's kernels run in Triton's interpreter (decided when they are first imported)."""
-    import os
     import sys
 
     kernels = sys.modules.get("cs336_systems.attention.kernels.flash_kernels")
     if kernels is not None:
         return type(kernels.flash_fwd_kernel).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return switches.interpreter_active()
 
 
 _flash_triton_fn = None

@@ -427,6 +427,8 @@ def plan(problem: Problem, device: Device, options: FlashOptions = DEFAULT_OPTIO
     return Plan(forward, backward, dq, dkdv, traced_path, tuple(reasons), configs, source)
 
 
+# The kernels' modules are imported where used: this module is imported by benchmarks.json's loader
+# (FlashOptions), which must not pay for importing Triton.
 def _split_d(p: Problem, kernel: str, device: Device) -> bool:
     from cs336_systems.attention.kernels.flash_configs import d_tiles
 

@@ -51,13 +51,13 @@ in PyTorch ops, `adamw_update_reference`, any device), or "auto" (the kernel on 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from itertools import chain
 
 import torch
 from torch import nn
 
+from cs336_systems import switches
 from cs336_systems.optim import split_float
 
 IMPLS = ("auto", "triton", "torch")
@@ -229,7 +229,7 @@ class AdamWMaster(torch.optim.Optimizer):
         on_cuda = all(t.is_cuda for t in tensors)
         if self.impl == "auto":
             return on_cuda
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if not on_cuda and not switches.interpreter_active():
             raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter; got "
                              f"tensors on {sorted({str(t.device) for t in tensors})}")
         return True

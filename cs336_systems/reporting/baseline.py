@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import subprocess
 import sys
@@ -58,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cs336_systems.bench import machine, matrix
-from cs336_systems.reporting.run_files import read_run
+from cs336_systems.reporting.run_files import check_stats, read_run
 from cs336_systems.reporting.tables import commit_label
 
 BASELINE_NAME = "0001_baseline.json"
@@ -78,9 +77,6 @@ def run_groups(run: dict) -> list[str]:
     return sorted({g for r in cases if (g := (r.get("extra_info") or {}).get("group"))})
 
 
-_STATS = ("min", "max", "mean", "median", "stddev", "iqr", "q1", "q3")
-
-
 def check_run(run: dict, source: str, allow_dirty: bool = False) -> None:
     """ValueError unless ``run`` can go into a baseline: timed cases, each with statistics that are finite
     numbers >= 0, no selected case left untimed (an interrupted run: ``perf_not_timed``), and a clean commit
@@ -89,14 +85,7 @@ def check_run(run: dict, source: str, allow_dirty: bool = False) -> None:
         raise ValueError(f"{source}: no benchmarks; a baseline made from it would make later comparisons pass "
                          "with nothing compared")
     for record in run["benchmarks"]:
-        stats = record.get("stats")
-        if not isinstance(stats, dict) or "median" not in stats:
-            raise ValueError(f"{source}: case {_name(record)} has no statistics; a comparison against it would "
-                             "crash or pass")
-        for key in _STATS:
-            value = stats.get(key, 0.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{source}: case {_name(record)}: stats.{key} is {value!r}, not a finite number >= 0")
+        check_stats(source, _name(record), record.get("stats"))
     not_timed = run.get("perf_not_timed") or []
     if not_timed:
         listed = ", ".join(str(r.get("name", r)) if isinstance(r, dict) else str(r) for r in not_timed[:3])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -23,3 +24,18 @@ def read_run(path: str | Path) -> dict:
     if not isinstance(facts, dict) or not isinstance(facts.get("cs336_systems"), dict):
         raise RunFileError(f"{path}: no machine_info.cs336_systems (not saved by this project's perf suite)")
     return data
+
+
+# The statistics the reports, gates and baselines read: each a finite number >= 0 where a case has it.
+STAT_FIELDS = ("min", "max", "mean", "median", "stddev", "iqr", "q1", "q3")
+
+
+def check_stats(source: str | Path, name: str, stats: object) -> None:
+    """A timed case's statistics: an object with a median, and every statistic it has a finite number >= 0;
+    else RunFileError naming the file and the case (a table would show nan, a comparison crash or pass)."""
+    if not isinstance(stats, dict) or "median" not in stats:
+        raise RunFileError(f"{source}: case {name} has no statistics (expected stats.median)")
+    for field in STAT_FIELDS:
+        value = stats.get(field, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise RunFileError(f"{source}: case {name}: stats.{field} is {value!r}, not a finite number >= 0")

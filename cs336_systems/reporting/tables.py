@@ -10,14 +10,13 @@ times drift between runs even on one machine.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from cs336_systems.bench.machine import COMPARABLE_FIELDS
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
-from cs336_systems.reporting.run_files import RunFileError, read_run
+from cs336_systems.reporting.run_files import check_stats, read_run
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
 
@@ -63,23 +62,6 @@ MiB = 2**20
 GiB = 2**30
 
 
-# The statistics the tables read: each must be a finite number >= 0 where a run has it.
-_STAT_FIELDS = ("min", "max", "mean", "median", "stddev", "iqr", "q1", "q3")
-
-
-def _check_stats(path: str | Path, name: str, stats: object) -> None:
-    """A timed case's statistics: an object whose median (and any other statistic it has) is a finite
-    number >= 0; else RunFileError naming the file and the case (a table would show nan, or crash)."""
-    if not isinstance(stats, dict) or "median" not in stats:
-        raise RunFileError(f"{path}: case {name} has no statistics (expected stats.median)")
-    for field in _STAT_FIELDS:
-        if field not in stats:
-            continue
-        value = stats[field]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise RunFileError(f"{path}: case {name}: stats.{field} is {value!r}, not a finite number >= 0")
-
-
 def machines_differ(machines: list[dict]) -> list[str]:
     """One line per run whose machine facts (`COMPARABLE_FIELDS`) differ from the first run's; empty when
     every run comes from one kind of machine and software."""
@@ -102,7 +84,7 @@ def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
             _compile_mode(entry)
             entry["status"] = entry.get("status", "ok")
             entry["stats"] = bench.get("stats", {})
-            _check_stats(path, bench.get("name", "?"), entry["stats"])
+            check_stats(path, bench.get("name", "?"), entry["stats"])
             if entry["test"] in ATTENTION_TESTS:
                 entry.setdefault("timing", "host")
             entries.append(entry)

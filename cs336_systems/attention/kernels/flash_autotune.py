@@ -53,14 +53,15 @@ from pathlib import Path
 import torch
 import triton
 
+from cs336_systems import switches
 from cs336_systems.attention.checks import dims_text
 from cs336_systems.attention.kernels import flash_configs as configs
 from cs336_systems.attention.kernels import flash_launch as launch
 from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, TileConfig
 from cs336_systems.cli_args import unwritable_reason
+from cs336_systems.switches import interpreter_active  # (re-exported: flash_triton asks it here)
 
 AUTOTUNE_ENV = "CS336_FLASH_AUTOTUNE"
-AUTOTUNE_VALUES = ("0", "1")  # unset or empty counts as "0"
 CACHE_ENV = "CS336_FLASH_CACHE"
 
 _selected: dict[tuple[ShapeKey, str], dict[str, TileConfig]] = {}
@@ -70,12 +71,8 @@ generation = 0
 _cache: dict[str, dict[str, dict[str, str]]] | None = None
 
 
-def interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def cache_path() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cs336_systems" / "flash-autotune.json")
+    return Path(switches.read(CACHE_ENV) or Path.home() / ".cache" / "cs336_systems" / "flash-autotune.json")
 
 
 def device_id(device: torch.device) -> str:
@@ -86,10 +83,7 @@ def device_id(device: torch.device) -> str:
 
 def autotune_requested() -> bool:
     """``CS336_FLASH_AUTOTUNE``: unset, "" or "0" -> False, "1" -> True; anything else is a ValueError."""
-    value = os.environ.get(AUTOTUNE_ENV, "")
-    if value not in ("", *AUTOTUNE_VALUES):
-        raise ValueError(f"{AUTOTUNE_ENV} must be one of {', '.join(AUTOTUNE_VALUES)} (or unset), got {value!r}")
-    return value == "1"
+    return switches.read(AUTOTUNE_ENV) == "1"
 
 
 _CACHE_SHAPE = "expected {device: {shape key: {kernel: config}}}"
@@ -125,7 +119,7 @@ def _refuse_special(path: Path) -> None:
     if kind is None:
         return
     target = path.resolve()
-    where = f"{CACHE_ENV}={path}" if os.environ.get(CACHE_ENV) else f"{path} (the default; {CACHE_ENV} is unset)"
+    where = f"{CACHE_ENV}={path}" if switches.read(CACHE_ENV) else f"{path} (the default; {CACHE_ENV} is unset)"
     link = f" (a link to {target})" if str(target) != os.path.abspath(path) else ""
     raise CacheFileError(f"the autotune cache {where}{link} is {kind}, not a regular file: it is neither read nor "
                          f"replaced; set {CACHE_ENV} to the path of a JSON file (missing is fine: it is created)")
@@ -230,7 +224,7 @@ def _replace_file(path: Path, text: str) -> None:
     else:
         if not stat.S_ISREG(st.st_mode):  # checked by the callers; again here, where it is replaced
             raise CacheFileError(f"flash_autotune: {target} is {_special_kind(target)}, not a regular file: "
-                                 f"not replaced ({CACHE_ENV}={os.environ.get(CACHE_ENV, '')!r})")
+                                 f"not replaced ({CACHE_ENV}={switches.read(CACHE_ENV)!r})")
         mode = stat.S_IMODE(st.st_mode)
     for _ in range(100):  # a name no one else uses (O_EXCL), in the target's directory: os.replace stays atomic
         tmp = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")

@@ -182,7 +182,6 @@ class TileConfig:
 
 
 FP32_DOT_ENV = "CS336_FLASH_FP32_DOT"
-FP32_DOTS = ("tf32x3", "ieee")
 
 
 def fp32_dot() -> str:
