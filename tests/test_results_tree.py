@@ -34,7 +34,9 @@ def kind(path: Path) -> str | None:
     if parts[1] == "experiments":
         if len(parts) == 3 and parts[2] == "README.md":
             return "index"
-        return "run" if len(parts) == 3 and parts[2].startswith("ab-") and path.suffix == ".json" else None
+        if len(parts) == 3 and path.suffix == ".json":
+            return "run" if parts[2].startswith("ab-") else "probe" if parts[2].startswith("probe-") else None
+        return None
     if parts[1] == "baselines":
         return "baseline" if len(parts) == 4 and re.fullmatch(r"\d{4}_\w+\.json", parts[3]) else None
     if len(parts) == 2 and path.suffix == ".md":
@@ -60,6 +62,9 @@ def test_every_file_is_a_run_report_plot_or_baseline(path):
         assert isinstance(data.get("benchmarks"), list) and data["benchmarks"], f"{path}: no benchmarks"
         assert "cs336_systems" in data.get("machine_info", {}), f"{path}: no machine facts"
         assert "commit_info" in data, f"{path}: no commit_info"
+    if what == "probe":  # a standalone probe: its GPU, the commit it ran and how it measured
+        data = json.loads(path.read_text())
+        assert all(data.get(key) for key in ("gpu", "commit", "what")), f"{path}: needs gpu, commit and what"
     if what == "plot":
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG"
 
@@ -69,9 +74,9 @@ def test_every_file_is_a_run_report_plot_or_baseline(path):
 def test_every_experiment_is_indexed_with_its_claim_and_where_it_is_cited(folder):
     index = folder / "README.md"
     assert index.is_file(), f"{folder.relative_to(ROOT)} has no README.md index"
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(ab-[^`]+\.json)` \|(.*)\|\s*$", index.read_text(),
-                                                         re.M)}
-    files = {p.name for p in folder.glob("ab-*.json")}
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `((?:ab|probe)-[^`]+\.json)` \|(.*)\|\s*$",
+                                                         index.read_text(), re.M)}
+    files = {p.name for p in folder.glob("*.json")}
     assert set(rows) == files, f"index rows without a file: {sorted(set(rows) - files)}; files without a row: " \
                                f"{sorted(files - set(rows))}"
     for name, cells in rows.items():
@@ -86,7 +91,7 @@ def test_kind_rejects_what_does_not_belong():
         assert kind(RESULTS / bad) is None, bad
     for good, expected in (("h100/leaderboard.json", "run"), ("h100/report.md", "report"),
                            ("h100/plots/a.png", "plot"), ("h100/experiments/ab-x.json", "run"),
-                           ("h100/experiments/README.md", "index"),
+                           ("h100/experiments/README.md", "index"), ("h100/experiments/probe-x.json", "probe"),
                            ("h100/baselines/Linux-CPython-3.12-64bit/0001_baseline.json", "baseline")):
         assert kind(RESULTS / good) == expected, good
 
