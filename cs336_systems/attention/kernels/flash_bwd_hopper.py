@@ -18,15 +18,15 @@ owns 128 keys of one (z, h_kv) and walks the query rows of every query head of i
         dS^T = P^T (dP^T - delta_t)
         dV_w += P^T dO_t, dK_w += dS^T Q_t                (P^T and dS^T as register operands)
         dS^T rows into the step's shared (128 keys, BLOCK_M queries) tile (two stages)
-        a (64, 64) part of dQ_{t-1} = dS_{t-1} K over all 128 keys, from the previous step's tile (both
-        consumers' rows are in by now): d 64, rows 64w .. + 64 (the tile's transposed column slice);
-        d 128, columns 64w .. + 64 (K's column slice)
+        a part of dQ_{t-1} = dS_{t-1} K over all 128 keys, from the previous step's tile (both consumers'
+        rows are in by now): 128-row steps, rows 64w .. + 64 (the tile's transposed column slice);
+        64-row steps, columns (d/2)w .. + d/2 (K's column slice)
         that part (float32) to the consumer's staging tile
     writer (1 warp):     each staging tile reduce-added into dqa by TMA (`cp.reduce.async.bulk.tensor`)
 
 Every product's A operand is a register tile or a shared slice, so a consumer holds S^T and dP^T (64
 registers a thread each at d 64, 32 at d 128), dK and dV (32 each at d 64, 64 at d 128) and its dQ part (32)
-at 232-240 registers (`REGS`).  P^T is rounded
+at 240 registers each (`REGS`).  P^T is rounded
 before dS^T is formed (the P^T that dV takes): with P^T in float32 beside dP^T the consumers spilled and the
 kernel ran far slower (docs/flash-attention-experiments.md, Section 8).  The dS tile is double-buffered; its
 stages and the ring's are released by mbarriers that both consumers arrive at.  The
@@ -71,17 +71,20 @@ from cs336_systems.attention.kernels.flash_launch import direct
 HEAD_DIMS = (64, 128)
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
-# consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows)
+# consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows).
+# 64-row steps at d 64 do not spill, yet measured no faster causal and 4% slower without the mask
+# (docs/flash-attention-experiments.md, Section 8)
 BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
 DS_STAGES = 2  # one stage measured slower (docs/flash-attention-experiments.md, Section 8)
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
-# by `setmaxnreg`: 240 for the worker consumer warpgroup and 32 for the workers' warpgroup; the first
-# consumer (the default partition) gets what is left, 168 x 3 - 240 - 32 = 232
+# by `setmaxnreg`: 240 for the worker consumer warpgroup and 24 (the least) for the workers' warpgroup; the
+# first consumer (the default partition) gets what is left, 168 x 3 - 240 - 24 = 240.  Both consumers still
+# spill at d 64, and the one with fewer registers sets the pace: 232 / 240 measured 8% slower than 240 / 240
+# (docs/flash-attention-experiments.md, Section 8)
 MAXNREG = 168
-REGS = (240, 32)
+REGS = (240, 24)
 _BLOCK_N = gl.constexpr(BLOCK_N)
-_NUM_STAGES, _DS_STAGES = gl.constexpr(NUM_STAGES), gl.constexpr(DS_STAGES)
 
 
 @builtin
@@ -153,39 +156,42 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: 
         m0 = (lo_tile + t % m_tiles) * BLOCK_M
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
-            # d 64: consumer w's rows 64 w .. + 64; d 128: its columns 64 w .. + 64 (rows past Nq are clipped)
-            if HEAD_DIM == 64:
+            # 128-row steps: consumer w's rows 64 w .. + 64; 64-row steps: its half of the columns (rows past
+            # Nq are clipped)
+            if BLOCK_M == 128:
                 _reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))
             else:
-                _reduce_add(dq_desc, [z, h, m0, 64 * w], dq_stage.index(w))
+                _reduce_add(dq_desc, [z, h, m0, (HEAD_DIM // 2) * w], dq_stage.index(w))
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(w), count=1)
 
 
 @gluon.jit
 def _dq_product(ds_buf, ds_full, k_all, dq_zero, u, W: gl.constexpr, DS_STAGES: gl.constexpr, wait,
-                HEAD_DIM: gl.constexpr):
-    """Issue this consumer's (64, 64) part of step t's dQ = dS_t K, t = u - DS_STAGES (u >= 0 keeps the
-    arithmetic non-negative): A is step t's dS tile, transposed (d 64: its 64-column slice W; d 128: whole),
-    once both consumers' rows are in (unless ``wait`` is false); B is K over all 128 keys (d 64: every column;
-    d 128: columns 64 W .. + 64).  Returns the asynchronous accumulator."""
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Issue this consumer's part of step t's dQ = dS_t K, t = u - DS_STAGES (u >= 0 keeps the arithmetic
+    non-negative): A is step t's dS tile, transposed (128-row steps: its 64-column slice W; 64-row steps:
+    whole), once both consumers' rows are in (unless ``wait`` is false); B is K over all 128 keys (128-row
+    steps: every column; 64-row steps: columns HEAD_DIM/2 W .. + HEAD_DIM/2).  Returns the asynchronous
+    accumulator."""
     db = u % DS_STAGES
     mbarrier.wait(ds_full.index(db), ((u // DS_STAGES) - 1) & 1, pred=wait)
-    if HEAD_DIM == 64:  # dQ rows 64 W .. + 64 (of 128), every column
+    if BLOCK_M == 128:  # dQ rows 64 W .. + 64 (of 128), every column
         a_ds = ds_buf.index(db).slice(W * 64, 64, 1).permute((1, 0))
         return warpgroup_mma(a_ds, k_all, dq_zero, use_acc=False, is_async=True)
-    else:  # d 128: every row (of 64), dQ columns 64 W .. + 64
-        return warpgroup_mma(ds_buf.index(db).permute((1, 0)), k_all.slice(W * 64, 64, 1), dq_zero, use_acc=False,
-                             is_async=True)
+    else:  # every row (of 64), half of dQ's columns
+        half: gl.constexpr = HEAD_DIM // 2
+        return warpgroup_mma(ds_buf.index(db).permute((1, 0)), k_all.slice(W * half, half, 1), dq_zero,
+                             use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr):
+def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr, DQ_N: gl.constexpr):
     """Step t's finished dQ rows (float32) to this consumer's staging tile, once the writer has read step
     t - 1's, and hand them to the writer."""
     if t > 0:
         mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
-    dq_stage.index(W).reshape([64, 64]).store(dq)
+    dq_stage.index(W).reshape([64, DQ_N]).store(dq)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(W), count=1)
@@ -217,8 +223,9 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     diag_tiles = _BLOCK_N // BLOCK_M  # causal: the steps over the block's own 128 queries
     dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
-    dq_layout: gl.constexpr = fwd.mma_layout(4, 64)
-    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+    DQ_N: gl.constexpr = 64 if BLOCK_M == 128 else HEAD_DIM // 2  # the columns of a consumer's dQ part
+    dq_layout: gl.constexpr = fwd.mma_layout(4, DQ_N)
+    dq_zero = gl.zeros([64, DQ_N], gl.float32, layout=dq_layout)
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
     # keys past Nk are zero-filled: their scores are 0 and exp(-L) could overflow the input dtype (L very
@@ -265,16 +272,18 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         # docs/flash-attention-experiments.md, Section 8).  At t = 0 the product runs on the other dS stage
         # without waiting and its result is dropped (branch-free: the accumulators keep one type through the
         # loop).
-        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0, HEAD_DIM)
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, t + DS_STAGES - 1, W, DS_STAGES, t > 0, BLOCK_M,
+                         HEAD_DIM)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
         if t > 0:
             mbarrier.arrive(ds_empty.index((t - 1) % DS_STAGES), count=1)
-            _stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W)
+            _stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W, DQ_N)
     if n_iter > 0:  # the last step's dQ
-        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True, HEAD_DIM)
+        dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True, BLOCK_M,
+                         HEAD_DIM)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W)
+        _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W, DQ_N)
     # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
     mbarrier.arrive(done, count=1)
     v_smem.store(dv.to(dtype))
@@ -289,7 +298,8 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
 @gluon.jit
 def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
                             qk_scale, n_q, n_k, heads, kv_heads, group, CAUSAL: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            WORKER_REGS: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
@@ -301,24 +311,24 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    q_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [_NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, BLOCK_M], vec_smem)
-    delta_buf = gl.allocate_shared_memory(gl.float32, [_NUM_STAGES, BLOCK_M], vec_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [_NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_NUM_STAGES):
+    lse_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    delta_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, BLOCK_M], dtype)
-    ds_buf = gl.allocate_shared_memory(dtype, [_DS_STAGES, _BLOCK_N, BLOCK_M], ds_layout)
-    ds_full = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [_DS_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_DS_STAGES):
+    ds_buf = gl.allocate_shared_memory(dtype, [DS_STAGES, _BLOCK_N, BLOCK_M], ds_layout)
+    ds_full = gl.allocate_shared_memory(gl.int64, [DS_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [DS_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DS_STAGES):
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, 64, 64], dq_desc.layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, 64, dq_desc.block_type.shape[3]], dq_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -330,12 +340,12 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 0, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 0, CAUSAL, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 1, CAUSAL, _NUM_STAGES, _DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 1, CAUSAL, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
-                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, _NUM_STAGES, BLOCK_M)),
+                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, NUM_STAGES, BLOCK_M)),
         (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL, BLOCK_M, HEAD_DIM)),
     ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
@@ -370,12 +380,12 @@ def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, 
              mask=m)
 
 
-def _accumulator_descriptor(dqa: torch.Tensor):
-    """(1, 1, 64, 64) float32 boxes over dQ's accumulator: a consumer's part of a step."""
+def _accumulator_descriptor(dqa: torch.Tensor, columns: int):
+    """(1, 1, 64, columns) float32 boxes over dQ's accumulator: a consumer's part of a step."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 64], gl.float32)
-    return TensorDescriptor.from_tensor(dqa, [1, 1, 64, 64], layout)
+    box = [1, 1, 64, columns]
+    return TensorDescriptor.from_tensor(dqa, box, gl.NVMMASharedLayout.get_default_for(box, gl.float32))
 
 
 def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
@@ -393,10 +403,12 @@ def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=dir
     grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
     wrap(flash_bwd_hopper_kernel)[grid](
         fwd.descriptor(q, block_m), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
-        fwd.descriptor(do, block_m), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64), _accumulator_descriptor(dqa),
+        fwd.descriptor(do, block_m), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64),
+        _accumulator_descriptor(dqa, 64 if block_m == 128 else d // 2),
         lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
         heads // kv_heads,
-        CAUSAL=causal, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
+        CAUSAL=causal, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1],
+        num_warps=4, maxnreg=MAXNREG,
     )
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
                              D=d, BLOCK=64)
