@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from cs336_systems.attention import plan as planning
-from cs336_systems.attention.kernels.flash_autotune import DTYPES
-from cs336_systems.attention.kernels.flash_autotune import main as tune_main
+from cs336_systems.attention.kernels.portable.autotune import DTYPES
+from cs336_systems.attention.kernels.portable.autotune import main as tune_main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "flash-attention.md"
 

@@ -170,7 +170,7 @@ def _flash_triton_available(device: torch.device) -> bool:
 
 def _flash_triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
     # Mirrors flash_triton's own checks without importing Triton (the Function raises the same errors).
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
+    from cs336_systems.attention.kernels.portable.configs import HEAD_DIMS
 
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"flash-triton supports float32, bfloat16, float16; got dtype {q.dtype}"
@@ -188,7 +188,7 @@ def _triton_interpreted() -> bool:
     """Whether flash-triton's kernels run in Triton's interpreter (decided when they are first imported)."""
     import sys
 
-    kernels = sys.modules.get("cs336_systems.attention.kernels.flash_kernels")
+    kernels = sys.modules.get("cs336_systems.attention.kernels.portable.kernels")
     if kernels is not None:
         return type(kernels.flash_fwd_kernel).__name__ == "InterpretedFunction"
     return switches.interpreter_active()
@@ -219,7 +219,7 @@ def _pinned_unsupported(name: str):
 
 
 def _flash_triton_head_dims() -> tuple[int, ...]:
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS  # tables only: no Triton import
+    from cs336_systems.attention.kernels.portable.configs import HEAD_DIMS  # tables only: no Triton import
 
     return HEAD_DIMS
 

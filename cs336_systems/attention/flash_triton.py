@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Triton: launchers, torch.library ops and the autograd.Function.
+"""FlashAttention-2 in Triton: the autograd.Function and the registry's entry (`flash_attention`).
 
     FlashAttentionTriton.apply(q, k, v, is_causal=False) -> o
     q: (..., Nq, d)   k, v: (..., Nk, d)   o: (..., Nq, d)   d a multiple of 8, 8 <= d <= 256
@@ -13,7 +13,7 @@ Grouped-query attention: k and v may have fewer heads (dim -3) than q, Hkv divid
 K/V head h // (Hq // Hkv) without K/V being repeated in memory, and dK, dV sum over each group's query heads
 inside the dK/dV kernel (no atomics).  Head dims that are not a power of two run in the next power-of-two
 register tile with the padding columns masked, or in two power-of-two tiles side by side where that saves columns
-(80 = 64 + 16, 96 = 32 + 64; `flash_configs.d_tiles`): none by default or with CS336_FLASH_SPLIT_D=0, every
+(80 = 64 + 16, 96 = 32 + 64; `kernels.portable.configs.d_tiles`): none by default or with CS336_FLASH_SPLIT_D=0, every
 kernel with CS336_FLASH_SPLIT_D=1 (experimental: the split kernels fault under load on Hopper).
 
 Forward: one fused kernel (grid: query tiles x batch*heads) with an online softmax over key tiles;
@@ -23,8 +23,8 @@ query rows and stores it, then a dK/dV kernel (K, V resident, loop over query ti
 launches, every output tile has exactly one writer, no atomics.
 
 On Hopper (compute capability 9.x, Triton 3.6, bf16/fp16) each launch may instead be a Gluon kernel with
-asynchronous warpgroup MMAs (`kernels/flash_fwd_hopper`, `_fwd_hopper_ws`, `_dq_hopper`, `_dkdv_hopper`), or
-the whole backward one fused Gluon pass (`kernels/flash_bwd_hopper`: five tile products instead of seven, dQ
+asynchronous warpgroup MMAs (`kernels/hopper`: forward, forward_ws, dq, dkdv), or
+the whole backward one fused Gluon pass (`kernels/hopper/backward`: five tile products instead of seven, dQ
 summed in float32 by TMA reductions, so dQ is not bitwise reproducible run to run).  Which kernels run is
 decided in one place, `cs336_systems.attention.plan.plan` (its table `RULES` holds every size rule with its
 reason and measurement; `cs336-flash-autotune --explain B,H,N,d` prints the plan for a shape), from the
@@ -48,7 +48,7 @@ bodies run as plain Python while the graph is traced and ask the plan for the tr
 An eager call on plain tensors (nothing tracing) launches the same kernels directly, skipping any
 dispatch: at small sizes that dispatch is most of the call.  From the second eager call of a signature
 (shapes, strides, dtypes, device, ``is_causal``, input alignment, switches) on, its kernels'
-launches are replayed as the first call recorded them (`kernels/flash_replay`): no validation, no
+launches are replayed as the first call recorded them (`flash_replays`, `kernels/replay`): no validation, no
 configuration lookup, no launcher Python and no Triton JIT binding, only the output allocations and one
 launcher call per kernel (Gluon kernels and TMA descriptors included: a replay rebuilds each descriptor on
 the new tensor).  Calls that take a workspace (key or group splits) launch the ordinary way.  The custom
@@ -56,8 +56,9 @@ ops replay the same way when a compiled graph runs them (their tensors are plain
 of their own.  ``CS336_FLASH_REPLAY=0`` turns replays off.
 The registry's entry, `flash_attention`, is ``FlashAttentionTriton.apply`` except for eager calls that record no
 graph (``torch.no_grad()``, or no input requiring grad): those skip the autograd.Function and its context.
-Tile configurations per kernel come from `flash_autotune.select` (autotune cache, the H100-measured
-table in `flash_configs`, or a default); launchers live in `flash_launch`.
+Tile configurations per kernel come from `kernels.portable.autotune.select` (autotune cache, the
+H100-measured table in `kernels.portable.configs`, or a default); launchers live in `kernels.portable.launch`.
+One call's launches (plan, record, replay) are `flash_calls`'; the torch.library operators are `flash_ops`'.
 
 Double backward (``create_graph=True`` through this op) raises a RuntimeError, for eager calls and for calls
 under a dispatch mode (under torch.compile, AOTAutograd rejects double backward itself): the kernels'
@@ -69,311 +70,27 @@ module is imported); otherwise a ValueError says so.  The interpreter's bf16 ``t
 Empty problems: no queries or an empty batch give an empty output (and zero gradients for K and V); queries
 with no keys (Nk = 0) are refused; ``is_causal`` must be a bool.  float32 inputs multiply with tf32x3 dots (three
 TF32 tensor-core products per fp32 product, near-fp32 accuracy, as PyTorch's fp32 mem-efficient SDPA does),
-or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`flash_configs.fp32_dot`); never plain TF32.
+or with IEEE FMA dots under ``CS336_FLASH_FP32_DOT=ieee`` (`kernels.portable.configs.fp32_dot`); never plain TF32.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from cs336_systems import switches
+from cs336_systems.attention import flash_calls as calls
+from cs336_systems.attention import flash_ops  # registers the cs336:: operators
+from cs336_systems.attention import flash_replays as replays
 from cs336_systems.attention.checks import check_qkv, dims_text
-from cs336_systems.attention.plan import Device, FlashOptions, Plan, Problem, plan
-from cs336_systems.attention.kernels import flash_autotune, flash_kernels
-from cs336_systems.attention.kernels import flash_launch as launch
-from cs336_systems.attention.kernels.flash_autotune import interpreter_active, select
-from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS
-from cs336_systems.attention.kernels.flash_launch import direct
-from cs336_systems.attention.kernels.flash_replay import (
-    REPLAY_TRITON,
-    Recorder,
-    hooks_idle,
-)
+from cs336_systems.attention.flash_calls import available
+from cs336_systems.attention.flash_replays import KERNELS_INTERPRETED, REPLAY_ENV
+from cs336_systems.attention.kernels.portable.autotune import interpreter_active
+from cs336_systems.attention.kernels.portable.configs import HEAD_DIMS
+from cs336_systems.attention.plan import FlashOptions
 
-try:  # the Hopper kernels need Triton's experimental Gluon API; without it the portable kernels run
-    from cs336_systems.attention.kernels import flash_bwd_hopper as bwd_hopper
-    from cs336_systems.attention.kernels import flash_dkdv_hopper as dkdv_hopper
-    from cs336_systems.attention.kernels import flash_dq_hopper as dq_hopper
-    from cs336_systems.attention.kernels import flash_fwd_hopper as hopper
-    from cs336_systems.attention.kernels import flash_fwd_hopper_ws as hopper_ws
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    hopper = hopper_ws = dq_hopper = dkdv_hopper = bwd_hopper = None
-
+__all__ = ["FlashAttentionTriton", "KERNELS_INTERPRETED", "REPLAY_ENV", "SUPPORTED_HEAD_DIMS", "available",
+           "flash_attention", "flash_attention_triton", "flash_ops"]
 SUPPORTED_HEAD_DIMS = HEAD_DIMS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Whether the @triton.jit kernels were built for Triton's interpreter: decided once, when flash_kernels was
-# imported (TRITON_INTERPRET=1 at that moment), whatever the environment says later.
-KERNELS_INTERPRETED = type(flash_kernels.flash_fwd_kernel).__name__ == "InterpretedFunction"
-
-
-def available(device: torch.device) -> bool:
-    """CUDA tensors, or CPU tensors under the Triton interpreter."""
-    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and interpreter_active())
-
-
-def _select(q: torch.Tensor, k: torch.Tensor, is_causal: bool, may_tune: bool = False):
-    n_queries, d = q.shape[-2:]
-    return select(launch.slices(q), n_queries, k.shape[-2], d, q.dtype, is_causal, q.device, may_tune=may_tune)
-
-
-REPLAY_ENV = "CS336_FLASH_REPLAY"
-# Every environment variable the launch path reads (the registry's kernel switches; TRITON_INTERPRET:
-# `flash_autotune.select` asks it per call; TRITON_DEBUG: Triton's JIT compiles with it): a recorded call
-# replays only under the values it was recorded with.  Triton knobs set from Python after a recording (debug,
-# instrumentation, JIT pre-run hooks) are not seen by its replays; Triton's launch hooks are
-# (`flash_replay.hooks_idle`).
-_SWITCHES = (REPLAY_ENV,) + tuple(n for n in switches.KERNEL_SWITCHES if n != REPLAY_ENV) + ("TRITON_INTERPRET",
-                                                                                            "TRITON_DEBUG")
-MAX_RECORDED = 512  # call signatures kept (then the table starts over): shapes that vary call by call
-# Call signature -> the Recorder to replay, or None (validated, but launched the ordinary way: a workspace,
-# or a descriptor over a view at another address).  Only validated, non-empty signatures are ever entered.
-_recorded: dict[tuple, Recorder | None] = {}
-# Backward signatures recorded on the fused kernel (flash_bwd_hopper), whose replays take an 11th slot: the
-# float32 dQ accumulator, allocated per call like the outputs.
-_fused_keys: set[tuple] = set()
-_UNSEEN = object()
-_ENCODED = tuple(os.environ.encodekey(name) for name in _SWITCHES) if hasattr(os.environ, "encodekey") else ()
-
-
-def _switches() -> tuple:
-    """The values of `_SWITCHES` (str or bytes, None where unset).  os.environ keeps its encoded items in
-    `_data` (CPython, every platform), which its writes (and pytest's monkeypatch) update: read there, the
-    switches cost ~0.4 us instead of ~8 through os.environ.get."""
-    data = getattr(os.environ, "_data", None)
-    if data is not None:
-        return tuple(map(data.get, _ENCODED))
-    return tuple(os.environ.get(name) for name in _SWITCHES)  # pragma: no cover - an os.environ stand-in
-
-
-def _replays_off(value) -> bool:
-    """Whether REPLAY_ENV's value (as `_switches` reads it) is "0"."""
-    return value == "0" or value == b"0"
-
-
-def _replay_key(kind: str, is_causal: bool, tensors: tuple[torch.Tensor, ...], options: str = "") -> tuple | None:
-    """The signature under which an eager call's launches are recorded and replayed (`flash_replay`), or None
-    where calls are never replayed: not a plain CUDA tensor, the interpreter, a Triton release whose launcher
-    `flash_replay` was not checked against, Triton launch hooks installed, or ``CS336_FLASH_REPLAY=0``.
-    Everything the launch path decides from is in it: each tensor's shape, strides, dtype and device, the
-    inputs' 16-byte alignment and which of them share an address, ``is_causal``, the current device, the
-    launch switches, the call's options (`FlashOptions.text`) and the autotune memo's generation."""
-    if (KERNELS_INTERPRETED or not REPLAY_TRITON or (is_causal is not True and is_causal is not False)
-            or type(tensors[0]) is not torch.Tensor or not tensors[0].is_cuda):
-        return None  # (before asking CUDA for its current device: a CPU call gets validation's ValueError)
-    env = _switches()
-    if _replays_off(env[0]) or not hooks_idle():
-        return None
-    key = [kind, is_causal, torch.cuda.current_device(), flash_autotune.generation, env, options]
-    ptrs = []
-    for t in tensors:  # a plain loop over one flat list: half the time of per-field tuples (~2 us a call)
-        if type(t) is not torch.Tensor or not t.is_cuda:
-            return None  # (not a plain CUDA tensor: the ordinary path, whose validation names a bad input)
-        p = t.data_ptr()
-        # shape, strides, dtype, device, 16-byte alignment, and the first input at the same address
-        key += (t.shape, t.stride(), t.dtype, t.device, p % 16 == 0, ptrs.index(p) if p in ptrs else len(ptrs))
-        ptrs.append(p)
-    return tuple(key)
-
-
-def _replayed(key: tuple | None, slots: tuple[torch.Tensor, ...]) -> bool | None:
-    """Launch the calls recorded under ``key`` on ``slots``: True if replayed; None if ``key`` is new (the
-    caller records this call); False otherwise (no key, or a signature that launches the ordinary way)."""
-    if key is None:
-        return False
-    recorder = _recorded.get(key, _UNSEEN)
-    if recorder is _UNSEEN:
-        return None
-    if recorder is None:
-        return False
-    # the current device's current stream, where Triton's JIT launched the recorded call (key[2]: that device)
-    recorder.replay(slots, torch._C._cuda_getCurrentRawStream(key[2]))
-    return True
-
-
-def _remember(key: tuple, recorder: Recorder | None) -> None:
-    """Keep ``recorder`` for ``key`` if it recorded a replayable call, else None (the ordinary path)."""
-    if len(_recorded) >= MAX_RECORDED:
-        _recorded.clear()
-        _fused_keys.clear()
-    if recorder is not None:
-        recorder.slots = ()  # the recording's tensors are not kept alive
-        if not (recorder.ok and recorder.launches):
-            recorder = None
-    _recorded[key] = recorder
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed(options: str) -> FlashOptions:
-    return FlashOptions.parse(options)
-
-
-def _plan(q: torch.Tensor, k: torch.Tensor, is_causal: bool, tensors: tuple[torch.Tensor, ...], options: str,
-          traced: bool = False) -> Plan:
-    """`plan.plan` for (Z, H, N, d) views: ``tensors`` are those whose layout the kernels need (q, k, v; and o, do
-    for a backward); the options string with the environment's switches over it.  ``traced``: also decide
-    the traced path (at trace time: no base addresses to check)."""
-    switches.warn_unknown()  # a misspelt CS336_FLASH_* switch would otherwise do nothing, in silence
-    problem = Problem.of(q, k, is_causal, tensors, addresses=not traced)
-    return plan(problem, Device.of(q.device), _parsed(options).with_env(), traced=traced)
-
-
-def _forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: int | None = None,
-             key: tuple | None = None, options: str = ""):
-    """O and L for (Z, H, N, d) views; ``key`` (eager calls, `_replay_key`): replay the launches recorded
-    under it, or record them.  The kernel is the plan's (`plan.plan`); launches through ``wrap`` other than
-    `direct` (inductor's `wrap_triton`) and ``tma`` 0 take the portable kernel with pointer loads."""
-    o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
-    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-    slots = (q, k, v, o, lse)
-    replayed = _replayed(key, slots)
-    if replayed:
-        return o, lse
-    record = replayed is None  # a new signature: record it (once; a refused one is not tried again)
-    recorder = Recorder(slots) if record else None
-    kernel = "portable"
-    if wrap is direct and tma != 0 and hopper is not None:
-        kernel = _plan(q, k, is_causal, (q, k, v), options).forward
-    if kernel != "portable":  # the Gluon forward (sm_90): same L as the portable one
-        (hopper_ws if kernel == "hopper-ws" else hopper).forward(q, k, v, o, lse, is_causal, recorder or wrap)
-    else:
-        cfg = _select(q, k, is_causal, may_tune)
-        launch.forward(q, k, v, o, lse, is_causal, cfg["fwd"], recorder or wrap, tma=tma)
-    if record:
-        _remember(key, recorder)
-    return o, lse
-
-
-def _backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None,
-              options: str = ""):
-    """dQ, dK, dV; ``key`` and the kernels' choice as in `_forward`."""
-    delta = torch.empty_like(lse)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
-    if key is not None and key in _fused_keys:  # a recorded fused backward: its dQ accumulator is a slot too
-        slots += (torch.empty(q.shape, device=q.device, dtype=torch.float32),)
-    replayed = _replayed(key, slots)
-    if replayed:
-        return dq, dk, dv
-    record = replayed is None
-    chosen = None  # Gluon kernels: eager launches only
-    if wrap is direct and tma != 0 and hopper is not None:
-        chosen = _plan(q, k, is_causal, (q, k, v, o, do), options)
-    fused = chosen is not None and chosen.backward == "fused"
-    if fused and len(slots) == 10:  # the fused pass's float32 dQ accumulator
-        slots += (torch.empty(q.shape, device=q.device, dtype=torch.float32),)
-    recorder = Recorder(slots) if record else None
-    if fused:  # one pass (flash_bwd_hopper): dQ accumulated in float32 through TMA reductions
-        bwd_hopper.backward(q, k, v, o, do, lse, delta, slots[10], dq, dk, dv, is_causal, recorder or wrap)
-    else:
-        _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal, recorder or wrap, tma,
-                             gluon_dq=chosen is not None and chosen.dq == "hopper",
-                             gluon_dkdv=chosen is not None and chosen.dkdv == "hopper")
-    if record:
-        _remember(key, recorder)
-        if fused:
-            _fused_keys.add(key)  # after `_remember`, which may start the tables over
-    return dq, dk, dv
-
-
-def _two_kernel_backward(q, k, v, o, lse, do, delta, dq, dk, dv, is_causal: bool, wrap, tma: int | None,
-                         gluon_dq: bool, gluon_dkdv: bool) -> None:
-    """dQ, then dK/dV, each on its Gluon kernel where the plan chose it."""
-    cfg = _select(q, k, is_causal)
-    # dQ first: its kernel computes D = rowsum(O * dO) for its own query rows and stores it for dK/dV, so
-    # the backward is two launches, not three (a launch is ~0.1 ms of host time on the H100 machine).
-    if gluon_dq:
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal, wrap)  # Gluon, sm_90 (flash_dq_hopper); also delta
-    else:
-        launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], wrap, o=o, tma=tma)
-    if gluon_dkdv:
-        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, wrap)  # Gluon (flash_dkdv_hopper)
-    else:
-        launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"], wrap)
-
-
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   options: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """The op cs336::flash_attn_fwd: q (Z, H, Nq, d), k, v (Z, H_kv, Nk, d), unit stride on d -> (o like q,
-    L (Z, H, Nq) float32); ``options``: `FlashOptions.text`.  Its kernels are planned on the concrete sizes
-    of each call (a compiled graph runs it on plain tensors, also where the graph's sizes are symbolic), and
-    replayed like an eager call (`_replay_key`), under a signature of its own ("fwd op": it never tunes,
-    where an eager call may)."""
-    return _forward(q, k, v, is_causal, key=_replay_key("fwd op", is_causal, (q, k, v), options), options=options)
-
-
-def _flash_attn_fwd_fake(q, k, v, is_causal, options=""):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-def flash_attn_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool, options: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op cs336::flash_attn_bwd, gradients of flash_attn_fwd: all tensors (Z, H, N, d) with unit stride on
-    d, lse (Z, H, Nq).  Planned and replayed as flash_attn_fwd is."""
-    # lse in the key too: the op's caller may pass any lse (an eager backward's is the forward's fresh output)
-    key = _replay_key("bwd op", is_causal, (q, k, v, o, lse, do), options)
-    return _backward(q, k, v, o, lse, do, is_causal, key=key, options=options)
-
-
-def _flash_attn_bwd_fake(q, k, v, o, lse, do, is_causal, options=""):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-# Registered as a `torch.library.Library` fragment (schema, a kernel per device type, a fake kernel), not
-# with `torch.library.custom_op`: a compiled graph calls these ops on every attention call, and custom_op's
-# Python wrappers (an autograd kernel, an aliasing check of the outputs) added ~11 µs a call at the 2.7B
-# shape, a third of the forward op's host time (docs/flash-attention-experiments.md, Section 13).  The ops are
-# internal and not differentiable themselves (no autograd kernel): they run inside `FlashAttentionTriton`,
-# whose backward calls flash_attn_bwd and refuses double backward, and compiled graphs call them with grad off.
-# Outputs are fresh tensors (no aliasing, no mutation), as the schemas say; pt2_compliant_tag, as custom_op
-# sets, lets them run under dynamo's only_allow_pt2_compliant_ops.  CPU: the interpreter's tensors.
-# The module registers them once per process: loading its file a second time under another name fails.
-_LIBRARY = torch.library.Library("cs336", "FRAGMENT")
-_LIBRARY.define('flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, str options="") -> (Tensor, Tensor)',
-                tags=(torch.Tag.pt2_compliant_tag,))
-_LIBRARY.define("flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal, "
-                'str options="") -> (Tensor, Tensor, Tensor)', tags=(torch.Tag.pt2_compliant_tag,))
-for _dispatch_key in ("CUDA", "CPU"):
-    _LIBRARY.impl("flash_attn_fwd", flash_attn_fwd, _dispatch_key)
-    _LIBRARY.impl("flash_attn_bwd", flash_attn_bwd, _dispatch_key)
-torch.library.register_fake("cs336::flash_attn_fwd", _flash_attn_fwd_fake, lib=_LIBRARY)
-torch.library.register_fake("cs336::flash_attn_bwd", _flash_attn_bwd_fake, lib=_LIBRARY)
-
-
-# What a traced call (torch.compile, AOTAutograd, a dispatch mode) runs: `torch.library.triton_op`s whose
-# bodies run as plain Python when the graph is traced (dynamo does not trace into them: sizes that are
-# symbolic there are `torch.SymInt`s the plan can see).  Each asks the plan (`_plan`, traced=True):
-#   * "triton_op": the portable kernels with pointer loads, launched through `wrap_triton`, which inductor
-#     traces into its own graph and launches with its generated launcher, as it launches its own kernels: no
-#     custom-op dispatch and no Triton JIT argument binding per call at run time (the host cost that dominates
-#     short sequences, e.g. the models at context 512); shapes, strides and configurations fixed at tracing;
-#   * "custom_op": the opaque ops above, which plan on each call's concrete sizes and launch the eager path's
-#     kernels, Gluon ones and TMA descriptors included (torch 2.11 cannot trace host-side descriptors inside
-#     a triton_op): where a Gluon kernel runs, the portable configuration wants descriptors, the interpreter
-#     runs the kernels, or the sizes are symbolic (dynamic shapes: one graph serves every size, and each call
-#     still gets the kernels an eager call of its size gets; the price is the custom op's host dispatch).
-@torch.library.triton_op("cs336::flash_attn_fwd_inductor", mutates_args=())
-def flash_attn_fwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                            options: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_fwd for traced calls: the portable kernels through inductor, or the custom op (see above)."""
-    if _plan(q, k, is_causal, (q, k, v), options, traced=True).traced != "triton_op":
-        return torch.ops.cs336.flash_attn_fwd(q, k, v, is_causal, options)
-    return _forward(q, k, v, is_causal, wrap=torch.library.wrap_triton, tma=0, options=options)
-
-
-@torch.library.triton_op("cs336::flash_attn_bwd_inductor", mutates_args=())
-def flash_attn_bwd_inductor(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool, options: str = "",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash_attn_bwd for traced calls, chosen as flash_attn_fwd_inductor chooses."""
-    if _plan(q, k, is_causal, (q, k, v, o, do), options, traced=True).traced != "triton_op":
-        return torch.ops.cs336.flash_attn_bwd(q, k, v, o, lse, do, is_causal, options)
-    return _backward(q, k, v, o, lse, do, is_causal, wrap=torch.library.wrap_triton, tma=0, options=options)
 
 
 def _eager(t: torch.Tensor) -> bool:
@@ -442,13 +159,13 @@ def _forward_call(q, k, v, is_causal, eager: bool, options: str = ""):
     recorded) and launches directly, replayed or recorded; a traced call takes the registered ops, which
     plan its kernels (`flash_attn_fwd_inductor`).  ``empty``: no queries or an empty batch, an empty output
     and no launch."""
-    key = _replay_key("fwd", is_causal, (q, k, v), options) if eager else None
-    empty = False if key is not None and key in _recorded else _validate(q, k, v, is_causal)
+    key = replays.replay_key("fwd", is_causal, (q, k, v), options) if eager else None
+    empty = False if key is not None and key in replays.recorded else _validate(q, k, v, is_causal)
     if empty:
         return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32), key, True
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if eager:
-        o, lse = _forward(q4, k4, v4, is_causal, may_tune=True, key=key, options=options)
+        o, lse = calls.forward(q4, k4, v4, is_causal, may_tune=True, key=key, options=options)
     else:
         o, lse = torch.ops.cs336.flash_attn_fwd_inductor(q4, k4, v4, is_causal, options)
     if q.dim() != 4:
@@ -516,8 +233,8 @@ class FlashAttentionTriton(torch.autograd.Function):
                 "and its gradients would not be differentiable; use the 'naive' attention for "
                 "higher-order gradients")
         if _eager(grad_out):
-            key = None if ctx.key is None else _replay_key("bwd", ctx.is_causal, args[:4] + args[5:6], ctx.options)
-            dq, dk, dv = _backward(*args, key=key, options=ctx.options)
+            key = None if ctx.key is None else replays.replay_key("bwd", ctx.is_causal, args[:4] + args[5:6], ctx.options)
+            dq, dk, dv = calls.backward(*args, key=key, options=ctx.options)
         else:
             dq, dk, dv = torch.ops.cs336.flash_attn_bwd_inductor(*args, ctx.options)
         if q.dim() == 4:  # (the reshapes would return views of the same shape: ~2 us each)

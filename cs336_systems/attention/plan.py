@@ -1,9 +1,9 @@
 """Which flash-triton kernels run for a call: one pure function over the problem, the device and the options.
 
     plan(Problem, Device, FlashOptions) -> Plan
-        forward   "portable" | "hopper" | "hopper-ws"      (kernels/flash_kernels, flash_fwd_hopper[_ws])
-        backward  "fused" | "two-kernel"                    (kernels/flash_bwd_hopper, or dQ then dK/dV)
-        dq, dkdv  "portable" | "hopper" | "-" (fused)       (flash_dq_hopper, flash_dkdv_hopper)
+        forward   "portable" | "hopper" | "hopper-ws"      (kernels/portable, hopper/forward[_ws])
+        backward  "fused" | "two-kernel"                    (kernels/hopper/backward, or dQ then dK/dV)
+        dq, dkdv  "portable" | "hopper" | "-" (fused)       (kernels/hopper/dq, hopper/dkdv)
         traced    "triton_op" | "custom_op" | "eager"       (how a torch.compile'd call launches them)
         reasons   one line per choice, naming the rule of `RULES` (or the constraint) that decided it
 
@@ -40,7 +40,7 @@ GLUON_TRITON_VERSIONS = ("3.6.",)
 # Head dims each Gluon kernel has ("on" takes every one of them).
 KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "dq": (64, 80, 96, 128, 256),
                     "dkdv": (64, 80, 96, 128, 256), "fused": (64, 128)}
-WS_HEAD_DIMS = (64, 128)  # the forward's warp-specialized kernel (flash_fwd_hopper_ws) at these head dims
+WS_HEAD_DIMS = (64, 128)  # the forward's warp-specialized kernel (hopper/forward_ws) at these head dims
 MAX_SLICES = 65535  # a grid's second dimension: (z, h) slices of one launch
 
 
@@ -270,14 +270,14 @@ class Rule:
 _EXP = "docs/flash-attention-experiments.md"
 # The size rules, by kernel: the first rule that matches takes the kernel (under "auto").
 RULES: tuple[Rule, ...] = (
-    # forward (flash_fwd_hopper; flash_fwd_hopper_ws at d 128)
+    # forward (hopper/forward; hopper/forward_ws at d 64 and 128)
     Rule("fwd", (80, 96), "sliced products over d skip the padded tile's zero columns: faster at every length "
          "measured", f"H200, 31.3 vs 41.4 us at B 4, H 32, N 512 ({_EXP} §14)", min_k=512, per_sm=1),
     Rule("fwd", (128,), "warp-specialized producer/consumer pipeline: faster from 2048 keys",
          f"H100, 0.164 vs 0.194 ms at B 4, H 16, N 2048 ({_EXP} §14)", min_k=2048, per_sm=1),
     Rule("fwd", (256,), "32-key tiles amortize a program's unoverlapped products only on long rows",
          f"H200, B·H 1: 256 programs at N 32768 won, 128 at N 16384 lost ({_EXP} §14)", min_k=16384, per_sm=1),
-    # dQ (flash_dq_hopper)
+    # dQ (hopper/dq)
     Rule("dq", (80, 96), "sliced products; slower than the portable kernel past 16384 queries",
          f"H200, N 8192 and 65536 measured ({_EXP} §14)", min_q=512, max_q=16384),
     Rule("dq", (128,), "without the mask a program's key loop is long enough to pipeline from 1024 queries",
@@ -290,7 +290,7 @@ RULES: tuple[Rule, ...] = (
          causal=True, min_q=2048, max_q=8192, per_sm=1, unit=64),
     Rule("dq", (256,), "whole 256-wide tiles: faster from 2048 queries",
          f"H200, B 2, H 4, N 2048 the shortest measured ({_EXP} §14)", min_q=2048),
-    # dK/dV (flash_dkdv_hopper)
+    # dK/dV (hopper/dkdv)
     Rule("dkdv", (80, 96), "the portable kernel pads these to 128 columns too; the Gluon one pipelines them",
          f"H200, 59 vs 82 us at B 4, H 32, N 512 ({_EXP} §14)", min_q=512, same_heads=True, per_sm=2,
          axis="k", unit=64, heads="kv"),
@@ -299,7 +299,7 @@ RULES: tuple[Rule, ...] = (
          min_q=2048, same_heads=True, per_sm=2, axis="k", unit=64, heads="kv"),
     Rule("dkdv", (256,), "one program per SM either way: faster at every size from 2048 queries",
          f"H200, down to 128 programs at B·H 1, N 4096 ({_EXP} §14)", min_q=2048, same_heads=True),
-    # the fused backward (flash_bwd_hopper): replaces both dQ and dK/dV
+    # the fused backward (hopper/backward): replaces both dQ and dK/dV
     Rule("fused", (64,), "five tile products instead of seven once a 128-key program per SM walks long rows",
          f"H100, 0.75-0.91x the two kernels; H200 (both consumers at 240 registers), 0.94x at the leaderboard "
          f"and B 4, H 16, N 8192 ({_EXP} §8)",
@@ -430,7 +430,7 @@ def plan(problem: Problem, device: Device, options: FlashOptions = DEFAULT_OPTIO
 # The kernels' modules are imported where used: this module is imported by benchmarks.json's loader
 # (FlashOptions), which must not pay for importing Triton.
 def _split_d(p: Problem, kernel: str, device: Device) -> bool:
-    from cs336_systems.attention.kernels.flash_configs import d_tiles
+    from cs336_systems.attention.kernels.portable.configs import d_tiles
 
     return bool(d_tiles(p.head_dim, p.dtype, kernel, device.capability if device.kind == "cuda" else None)[1])
 
@@ -439,7 +439,8 @@ def portable_configs(p: Problem, device: Device) -> tuple[dict, str]:
     """The portable kernels' tile configurations for ``p`` and where they come from: on this process's GPU
     `flash_autotune.select` (the autotune cache, else the tuned table of the GPU's architecture, else the
     default rule); for a preset device the tuned table or the default; the interpreter's fixed tiles."""
-    from cs336_systems.attention.kernels import flash_autotune, flash_configs
+    from cs336_systems.attention.kernels.portable import autotune as flash_autotune
+    from cs336_systems.attention.kernels.portable import configs as flash_configs
 
     bh = p.batch * p.heads
     if device.kind == "interpreter":

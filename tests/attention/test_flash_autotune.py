@@ -15,10 +15,10 @@ import pytest
 import torch
 from attention_reference import reference
 
-from cs336_systems.attention.kernels import flash_autotune
-from cs336_systems.attention.kernels import flash_configs
-from cs336_systems.attention.kernels import flash_launch
-from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, TileConfig
+from cs336_systems.attention.kernels.portable import autotune as flash_autotune
+from cs336_systems.attention.kernels.portable import configs as flash_configs
+from cs336_systems.attention.kernels.portable import launch as flash_launch
+from cs336_systems.attention.kernels.portable.configs import KERNELS, ShapeKey, TileConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -587,7 +587,7 @@ def test_tune_times_the_tile_its_key_names(tmp_cache, monkeypatch):
     to split tiles everywhere, the key is the split width and the tuner times the split forward."""
     if not flash_autotune.interpreter_active():
         pytest.skip("the CPU run of the tuner needs TRITON_INTERPRET=1")
-    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     seen = []
     real = flash_launch.forward

@@ -4,7 +4,7 @@ call's results and run the kernels an eager call of that size runs; the LM compi
 several context lengths.
 
 On CPU the same traces run through Triton's interpreter (float32), so the choice made while tracing with
-symbolic sizes (`flash_triton.flash_attn_fwd_inductor`, `plan.plan`) is exercised without a GPU."""
+symbolic sizes (`flash_ops.flash_attn_fwd_inductor`, `plan.plan`) is exercised without a GPU."""
 
 from __future__ import annotations
 

@@ -11,20 +11,33 @@ from attention_reference import assert_flash_accuracy, random_qkv, token_major_v
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cs336_systems.attention import flash_calls
 from cs336_systems.attention import flash_triton
+from cs336_systems.attention import flash_replays
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
-from cs336_systems.attention.kernels import flash_launch
+from cs336_systems.attention.kernels.portable import launch as flash_launch
 from cs336_systems.attention.plan import GLUON_TRITON_VERSIONS, FlashOptions, Plan
 
 # The Gluon API is experimental: a Triton release without these names skips this file (flash_triton then
 # runs the portable kernels only).
-hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper")
-dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dkdv_hopper")
-dq_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_dq_hopper")
-ws_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_fwd_hopper_ws")
-fused_hopper = pytest.importorskip("cs336_systems.attention.kernels.flash_bwd_hopper")
+hopper = pytest.importorskip("cs336_systems.attention.kernels.hopper.forward")
+dkdv_hopper = pytest.importorskip("cs336_systems.attention.kernels.hopper.dkdv")
+dq_hopper = pytest.importorskip("cs336_systems.attention.kernels.hopper.dq")
+common = pytest.importorskip("cs336_systems.attention.kernels.hopper.common")
+ws_hopper = pytest.importorskip("cs336_systems.attention.kernels.hopper.forward_ws")
+fused_hopper = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward")
 
 CUDA = torch.device("cuda")
+
+
+def test_every_gluon_module_has_the_same_interface_and_the_plan_knows_its_head_dims():
+    """Each kernel module of kernels/hopper exposes HEAD_DIMS and launch; the plan, which must not import
+    Triton, keeps its own copy of the head dims (`KERNEL_HEAD_DIMS`, `WS_HEAD_DIMS`): they must agree."""
+    from cs336_systems.attention import plan as planning
+
+    for module, kernel in ((hopper, "fwd"), (dq_hopper, "dq"), (dkdv_hopper, "dkdv"), (fused_hopper, "fused")):
+        assert callable(module.launch) and module.HEAD_DIMS == planning.KERNEL_HEAD_DIMS[kernel], module.__name__
+    assert callable(ws_hopper.launch) and ws_hopper.HEAD_DIMS == planning.WS_HEAD_DIMS
 
 
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
@@ -50,23 +63,23 @@ def _planned(forward="portable", backward="two-kernel", dq="portable", dkdv="por
 
 
 def test_forward_launches_the_kernel_the_plan_chose(monkeypatch):
-    """flash_triton._forward hands eager problems to the Gluon kernel the plan names (nothing else launched),
+    """flash_calls.forward hands eager problems to the Gluon kernel the plan names (nothing else launched),
     the others, and every launch through inductor's wrapper, to the portable one."""
     calls = []
-    monkeypatch.setattr(hopper, "forward", lambda *args: calls.append("hopper"))
-    monkeypatch.setattr(ws_hopper, "forward", lambda *args: calls.append("hopper-ws"))
-    monkeypatch.setattr(flash_triton.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
-    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"fwd": None})
+    monkeypatch.setattr(hopper, "launch", lambda *args: calls.append("hopper"))
+    monkeypatch.setattr(ws_hopper, "launch", lambda *args: calls.append("hopper-ws"))
+    monkeypatch.setattr(flash_calls.launch, "forward", lambda *args, **kwargs: calls.append("portable"))
+    monkeypatch.setattr(flash_calls, "select_configs", lambda *args, **kwargs: {"fwd": None})
     chosen = {"plan": _planned("hopper-ws")}
-    monkeypatch.setattr(flash_triton, "_plan", lambda *args, **kwargs: chosen["plan"])
+    monkeypatch.setattr(flash_calls, "plan_call", lambda *args, **kwargs: chosen["plan"])
     q = torch.empty(1, 2, 16, 128, dtype=torch.float16)
-    o, lse = flash_triton._forward(q, q, q, True)
+    o, lse = flash_calls.forward(q, q, q, True)
     assert calls == ["hopper-ws"] and o.shape == q.shape and lse.shape == (1, 2, 16) and lse.dtype == torch.float32
-    flash_triton._forward(q, q, q, True, wrap=torch.library.wrap_triton, tma=0)  # inductor's launch: portable
+    flash_calls.forward(q, q, q, True, wrap=torch.library.wrap_triton, tma=0)  # inductor's launch: portable
     chosen["plan"] = _planned("hopper")
-    flash_triton._forward(q, q, q, True)
+    flash_calls.forward(q, q, q, True)
     chosen["plan"] = _planned()
-    flash_triton._forward(q, q, q, True)
+    flash_calls.forward(q, q, q, True)
     assert calls == ["hopper-ws", "portable", "hopper", "portable"]
 
 
@@ -74,31 +87,31 @@ def test_backward_launches_the_kernels_the_plan_chose(monkeypatch):
     """dQ (which also computes delta) runs first, then dK/dV, each on the kernel the plan names, never a Gluon
     one through inductor's wrapper; the fused pass replaces both, with a float32 dQ accumulator like q."""
     calls, accumulators, asked = [], [], []
-    monkeypatch.setattr(flash_triton.launch, "dq", lambda *args, **kwargs: calls.append("portable dq"))
-    monkeypatch.setattr(flash_triton.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
-    monkeypatch.setattr(dq_hopper, "dq", lambda *args: calls.append("hopper dq"))
-    monkeypatch.setattr(dkdv_hopper, "dkdv", lambda *args: calls.append("hopper dkdv"))
-    monkeypatch.setattr(fused_hopper, "backward", lambda *args: calls.append("fused") or accumulators.append(args[7]))
-    monkeypatch.setattr(flash_triton, "_select", lambda *args, **kwargs: {"dq": None, "dkdv": None})
+    monkeypatch.setattr(flash_calls.launch, "dq", lambda *args, **kwargs: calls.append("portable dq"))
+    monkeypatch.setattr(flash_calls.launch, "dkdv", lambda *args, **kwargs: calls.append("portable dkdv"))
+    monkeypatch.setattr(dq_hopper, "launch", lambda *args: calls.append("hopper dq"))
+    monkeypatch.setattr(dkdv_hopper, "launch", lambda *args: calls.append("hopper dkdv"))
+    monkeypatch.setattr(fused_hopper, "launch", lambda *args: calls.append("fused") or accumulators.append(args[7]))
+    monkeypatch.setattr(flash_calls, "select_configs", lambda *args, **kwargs: {"dq": None, "dkdv": None})
     chosen = {"plan": _planned(dq="hopper", dkdv="hopper")}
 
     def fake_plan(q, k, is_causal, tensors, options, traced=False):
         asked.append((is_causal, len(tensors), options))
         return chosen["plan"]
 
-    monkeypatch.setattr(flash_triton, "_plan", fake_plan)
+    monkeypatch.setattr(flash_calls, "plan_call", fake_plan)
     q = torch.empty(1, 2, 16, 64, dtype=torch.float16)
     lse = torch.empty(1, 2, 16)
-    flash_triton._backward(q, q, q, q, lse, q, True)
+    flash_calls.backward(q, q, q, q, lse, q, True)
     assert calls == ["hopper dq", "hopper dkdv"]
-    flash_triton._backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
+    flash_calls.backward(q, q, q, q, lse, q, True, wrap=torch.library.wrap_triton, tma=0)
     assert calls[2:] == ["portable dq", "portable dkdv"] and len(asked) == 1  # no plan asked for inductor
     chosen["plan"] = _planned(dkdv="hopper")
-    flash_triton._backward(q, q, q, q, lse, q, False, options="fused_bwd=off")
+    flash_calls.backward(q, q, q, q, lse, q, False, options="fused_bwd=off")
     assert calls[4:] == ["portable dq", "hopper dkdv"]
     assert asked[-1] == (False, 5, "fused_bwd=off")  # the mask, all five tensors' layout, the options
     chosen["plan"] = _planned(backward="fused")
-    flash_triton._backward(q, q, q, q, lse, q, True)
+    flash_calls.backward(q, q, q, q, lse, q, True)
     assert calls[6:] == ["fused"]
     assert accumulators[0].dtype == torch.float32 and accumulators[0].shape == q.shape
 
@@ -108,14 +121,14 @@ def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
     parts in two launches at long rows when each fills the GPU (a key block per SM), the dV part with its own
     taller steps; otherwise both parts in one launch (program_id(2) picks)."""
     calls = []
-    monkeypatch.setattr(dkdv_hopper, "_launch", lambda *args: calls.append(args[-3:-1]))
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(dkdv_hopper, "_launch_part", lambda *args: calls.append(args[-3:-1]))
+    monkeypatch.setattr(common, "sm_count", lambda index: 132)
     monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
 
     def plan(bh, n, d):
         calls.clear()
         q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
-        dkdv_hopper.dkdv(q, q, q, q, None, None, q, q, True)
+        dkdv_hopper.launch(q, q, q, q, None, None, q, q, True)
         return list(calls)
 
     assert plan(8, 8192, 64) == [(dkdv_hopper.tiles(64), 0)]
@@ -135,10 +148,10 @@ def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
     TWO_STAGE_PROGRAMS programs (by the mask) and three below; d 64 and the 128-wide tiles of d 80 / 96 always
     three."""
     chosen = []
-    monkeypatch.setattr(dq_hopper.fwd, "descriptor", lambda t, rows: None)
+    monkeypatch.setattr(dq_hopper.common, "descriptor", lambda t, rows: None)
     monkeypatch.setattr(dq_hopper, "tiles", lambda width, long_rows=False, two=False, real=dq_hopper.tiles:
                         chosen.append(real(width, long_rows, two)) or real(width, long_rows, two))
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(common, "sm_count", lambda index: 132)
     monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
 
     class NoLaunch:  # kernel[grid](...) does nothing: only the tile choice is under test
@@ -150,7 +163,7 @@ def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
     def plan(bh, n, d, causal=True):
         chosen.clear()
         q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
-        dq_hopper.dq(q, q, q, q, q, None, None, q, causal)
+        dq_hopper.launch(q, q, q, q, q, None, None, q, causal)
         return chosen[0]
 
     long, short = dq_hopper.TILES_LONG_256, (64, 32, 3)
@@ -172,7 +185,7 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
     """Each kernel's bf16 tiles, at the tile width of each head dim, within the 227 KB an sm_90 program may
     use: Q + NUM_STAGES x (K + V) (forward), K + V + stages x (Q + dO) (dK/dV), Q + dO + stages x (K + V) (dQ)."""
     for d in hopper.HEAD_DIMS:
-        w = hopper.tile_dim(d)
+        w = common.tile_dim(d)
         block_m, block_n, stages = hopper.tiles(d)
         assert 2 * w * (block_m + 2 * stages * block_n) <= 227 * 1024, d
     # d 80 and 96: two programs per SM (64 x 64 tiles) within the SM's 228 KB less 1 KB reserved per program
@@ -189,11 +202,11 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
     assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
     assert sum(ws_hopper.REGS) + ws_hopper.REGS[0] <= 3 * ws_hopper.MAXNREG
     for d in dkdv_hopper.HEAD_DIMS:
-        w = hopper.tile_dim(d)
+        w = common.tile_dim(d)
         for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256, dkdv_hopper.DK_TILES_LONG_256}:
             assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
     for d in dq_hopper.HEAD_DIMS:
-        w = hopper.tile_dim(d)
+        w = common.tile_dim(d)
         for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, long_rows=True),
                                          dq_hopper.tiles(w, two_stages=True)}:
             assert 2 * w * (2 * block_m + 2 * stages * block_n) <= 227 * 1024, d
@@ -202,19 +215,19 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
 def test_head_dims_below_a_power_of_two_take_wider_tma_boxes():
     """d 80 and 96 run in 128-wide tiles: the descriptors' boxes are 128 columns over the d-column tensor
     (TMA zero-fills the rest on loads and drops it on stores); powers of two keep their own width."""
-    assert [hopper.tile_dim(d) for d in (64, 80, 96, 128, 256)] == [64, 128, 128, 128, 256]
+    assert [common.tile_dim(d) for d in (64, 80, 96, 128, 256)] == [64, 128, 128, 128, 256]
     t = torch.empty(2, 3, 256, 80, dtype=torch.bfloat16)
-    desc = hopper.descriptor(t, 64)
+    desc = common.descriptor(t, 64)
     assert list(desc.shape) == [2, 3, 256, 80] and list(desc.block_shape) == [1, 1, 64, 128]
-    assert hopper.descriptor(torch.empty(1, 1, 64, 128, dtype=torch.bfloat16), 64).layout is desc.layout
+    assert common.descriptor(torch.empty(1, 1, 64, 128, dtype=torch.bfloat16), 64).layout is desc.layout
 
 
 def test_products_over_d_skip_the_padding_at_d80_and_d96_only(monkeypatch):
     """D_SPLIT (the columns past 64 the kernels' products over d cover): d - 64 at 80 and 96 in their
     128-wide tiles; 0 (the whole tile) at the powers of two, and everywhere with SLICED_HEAD_DIMS emptied."""
-    assert [hopper.d_split(d) for d in (64, 80, 96, 128, 256)] == [0, 16, 32, 0, 0]
-    monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", ())
-    assert [hopper.d_split(d) for d in (80, 96)] == [0, 0]
+    assert [common.d_split(d) for d in (64, 80, 96, 128, 256)] == [0, 16, 32, 0, 0]
+    monkeypatch.setattr(common, "SLICED_HEAD_DIMS", ())
+    assert [common.d_split(d) for d in (80, 96)] == [0, 0]
 
 
 def test_descriptors_cover_strided_views_in_place():
@@ -222,11 +235,11 @@ def test_descriptors_cover_strided_views_in_place():
     box layout is built once per (rows, d, dtype)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     t = torch.empty(2, 256, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
-    desc = hopper.descriptor(t, 64)
+    desc = common.descriptor(t, 64)
     assert list(desc.block_shape) == [1, 1, 64, 128] and tuple(desc.strides) == t.stride()
     assert list(desc.shape) == list(t.shape) and desc.base is t
-    assert hopper.descriptor(t, 64).layout is desc.layout
-    assert hopper.descriptor(t.to(torch.float16), 64).layout is not desc.layout
+    assert common.descriptor(t, 64).layout is desc.layout
+    assert common.descriptor(t.to(torch.float16), 64).layout is not desc.layout
 
 
 # --- sm_90 GPU only ----------------------------------------------------------------------------------------
@@ -240,7 +253,7 @@ ON_HOPPER = pytest.mark.skipif(
 def record_gluon_launches(patch, ran: list) -> None:
     """Append "fwd", "dq", "dkdv" or "fused" to ``ran`` for each Gluon launch (the kernels still run)."""
     for module, name, label in ((hopper, "forward", "fwd"), (ws_hopper, "forward", "fwd"), (dq_hopper, "dq", "dq"),
-                                (dkdv_hopper, "dkdv", "dkdv"), (fused_hopper, "backward", "fused")):
+                                (dkdv_hopper, "dkdv", "dkdv"), (fused_hopper, "launch", "fused")):
         real = getattr(module, name)
         patch.setattr(module, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
 
@@ -349,14 +362,14 @@ def test_gpu_d128_dq_stage_counts_agree_bit_for_bit(monkeypatch, is_causal, n):
     arithmetic per output: dQ and delta bit-equal, ragged ends included."""
     g = torch.Generator("cuda").manual_seed(12)
     q, k, v, do = (torch.randn(2, 3, n, 128, generator=g, device="cuda").bfloat16() for _ in range(4))
-    o, lse = flash_triton._forward(q, k, v, is_causal, tma=0)  # portable forward
+    o, lse = flash_calls.forward(q, k, v, is_causal, tma=0)  # portable forward
     stages, results = [], []
     real = dq_hopper.tiles
     monkeypatch.setattr(dq_hopper, "tiles", lambda *args: stages.append(real(*args)[2]) or real(*args))
     for threshold in (0, 1 << 30):
         monkeypatch.setattr(dq_hopper, "TWO_STAGE_PROGRAMS", {True: threshold, False: threshold})
         delta, dq = torch.empty_like(lse), torch.empty_like(q)
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)
+        dq_hopper.launch(q, k, v, o, do, lse, delta, dq, is_causal)
         results.append((dq, delta))
     assert stages == [2, 3]
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
@@ -371,16 +384,16 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
     in one launch below; both plans, and the portable kernel, do the same arithmetic per output."""
     g = torch.Generator("cuda").manual_seed(11)
     q, k, v, do = (torch.randn(1, 2, 8192, 256, generator=g, device="cuda").bfloat16() for _ in range(4))
-    o, lse = flash_triton._forward(q, k, v, is_causal, tma=0)  # portable forward
+    o, lse = flash_calls.forward(q, k, v, is_causal, tma=0)  # portable forward
     delta, dq = torch.empty_like(lse), torch.empty_like(q)
-    cfg = flash_triton._select(q, k, is_causal)
+    cfg = flash_calls.select_configs(q, k, is_causal)
     flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], o=o)
     results = []
     for plan in ("two launches", "one launch", "portable"):
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         if plan == "two launches":
             assert q.shape[-2] >= dkdv_hopper.SPLIT_MIN_QUERIES
-            dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)
+            dkdv_hopper.launch(q, k, v, do, lse, delta, dk, dv, is_causal)
         elif plan == "one launch":
             dkdv_hopper._launch(q, k, v, do, lse, delta, dk, dv, is_causal, dkdv_hopper.tiles(256), 3)
         else:
@@ -413,7 +426,7 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
         _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
     q, k, v = (t.detach() for t in (q, k, v))
     results = []
-    for run in (ws_hopper.forward, hopper.forward):
+    for run in (ws_hopper.launch, hopper.launch):
         o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
         run(q, k, v, o, lse, is_causal)
         results.append((o, lse))
@@ -436,19 +449,19 @@ def test_gpu_sliced_head_dims_agree_bit_for_bit_with_the_whole_tile(monkeypatch,
     """At d 80 and 96 the three Gluon kernels compute their products over d in two slices (64 + d - 64
     columns) instead of the whole 128-wide tile: the skipped columns are zeros, so O, L, delta, dQ, dK and dV
     must equal the whole tile's bit for bit, and be finite."""
-    assert hopper.d_split(d) == d - 64
+    assert common.d_split(d) == d - 64
     g = torch.Generator("cuda").manual_seed(nq + d)
     q, do = (torch.randn(z, nq, heads[0], d, generator=g, device="cuda").bfloat16().transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(z, nk, heads[1], d, generator=g, device="cuda").bfloat16().transpose(1, 2) for _ in range(2))
     results = []
-    for sliced in (hopper.SLICED_HEAD_DIMS, ()):
-        monkeypatch.setattr(hopper, "SLICED_HEAD_DIMS", sliced)
+    for sliced in (common.SLICED_HEAD_DIMS, ()):
+        monkeypatch.setattr(common, "SLICED_HEAD_DIMS", sliced)
         o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
-        hopper.forward(q, k, v, o, lse, is_causal)
+        hopper.launch(q, k, v, o, lse, is_causal)
         dq, delta = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-        dq_hopper.dq(q, k, v, o, do, lse, delta, dq, is_causal)
-        dkdv_hopper.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)
+        dq_hopper.launch(q, k, v, o, do, lse, delta, dq, is_causal)
+        dkdv_hopper.launch(q, k, v, do, lse, delta, dk, dv, is_causal)
         results.append((o, lse, delta, dq, dk, dv))
     for name, a, b in zip(("o", "lse", "delta", "dq", "dk", "dv"), *results):
         assert torch.isfinite(a).all(), name
@@ -518,11 +531,11 @@ def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causa
     one query or one key, key blocks that see no query, grouped K/V heads, token-major views, d 64 and 128."""
     q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
-    real = fused_hopper.backward
+    real = fused_hopper.launch
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CS336_FLASH_FUSED_BWD", "1")
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launcher counted below
-        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
+        patch.setattr(fused_hopper, "launch", lambda *args: ran.append("fused") or real(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
     assert ran == ["fused"], ran
 
@@ -549,9 +562,9 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
     expected = call()
     monkeypatch.delenv(flash_triton.REPLAY_ENV)
     table = {}
-    monkeypatch.setattr(flash_triton, "_recorded", table)
-    ran, real = [], fused_hopper.backward
-    monkeypatch.setattr(fused_hopper, "backward", lambda *args: ran.append(1) or real(*args))
+    monkeypatch.setattr(flash_replays, "recorded", table)
+    ran, real = [], fused_hopper.launch
+    monkeypatch.setattr(fused_hopper, "launch", lambda *args: ran.append(1) or real(*args))
     for _ in range(3):
         dq, dk, dv = call()
         assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
@@ -575,10 +588,10 @@ def test_gpu_fused_backward_masks_the_keys_past_nk(d, is_causal):
         a = (20 * d ** 0.5) ** 0.5
         q.copy_(q * 0.01 - a * unit)
         k.copy_(k * 0.01 + a * unit)
-    ran, real = [], fused_hopper.backward
+    ran, real = [], fused_hopper.launch
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CS336_FLASH_FUSED_BWD", "1")
         patch.setenv(flash_triton.REPLAY_ENV, "0")
-        patch.setattr(fused_hopper, "backward", lambda *args: ran.append("fused") or real(*args))
+        patch.setattr(fused_hopper, "launch", lambda *args: ran.append("fused") or real(*args))
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
     assert ran == ["fused"], ran

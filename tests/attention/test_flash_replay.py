@@ -12,10 +12,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cs336_systems import switches
+from cs336_systems.attention import flash_calls
 from cs336_systems.attention import flash_triton
+from cs336_systems.attention import flash_replays
 from cs336_systems.attention.flash_triton import REPLAY_ENV, FlashAttentionTriton
-from cs336_systems.attention.kernels import flash_replay
-from cs336_systems.attention.kernels.flash_replay import Recorder
+from cs336_systems.attention.kernels import replay as flash_replay
+from cs336_systems.attention.kernels.replay import Recorder
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -262,16 +264,16 @@ def test_launch_hooks_keep_calls_on_the_ordinary_path(monkeypatch):
 
 
 def test_switches_follow_the_environment(monkeypatch):
-    for name in flash_triton._SWITCHES:
+    for name in flash_replays.SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    assert flash_triton._switches() == (None,) * len(flash_triton._SWITCHES)
+    assert flash_replays.switch_values() == (None,) * len(flash_replays.SWITCHES)
     monkeypatch.setenv("CS336_FLASH_TMA", "0")
     monkeypatch.setenv(REPLAY_ENV, "0")
-    switches = flash_triton._switches()
-    values = {name: value for name, value in zip(flash_triton._SWITCHES, switches) if value is not None}
+    switches = flash_replays.switch_values()
+    values = {name: value for name, value in zip(flash_replays.SWITCHES, switches) if value is not None}
     assert {name: (v.decode() if isinstance(v, bytes) else v) for name, v in values.items()} == {
         "CS336_FLASH_TMA": "0", REPLAY_ENV: "0"}
-    assert flash_triton._replays_off(switches[0])
+    assert flash_replays.replays_off(switches[0])
 
 
 def test_every_switch_the_launch_path_reads_is_in_the_signature():
@@ -280,35 +282,35 @@ def test_every_switch_the_launch_path_reads_is_in_the_signature():
 
     root = pathlib.Path(flash_triton.__file__).parent
     read = set()
-    for path in [root / "flash_triton.py", root / "plan.py", *sorted((root / "kernels").glob("*.py"))]:
+    for path in [*sorted(root.glob("flash_*.py")), root / "plan.py", *sorted((root / "kernels").rglob("*.py"))]:
         read |= set(re.findall(r'"(CS336_FLASH_[A-Z0-9_]+)"', path.read_text()))
-    assert read | {"TRITON_INTERPRET", "TRITON_DEBUG"} == set(flash_triton._SWITCHES)
+    assert read | {"TRITON_INTERPRET", "TRITON_DEBUG"} == set(flash_replays.SWITCHES)
     # and the registry marks exactly those as part of a recorded call's signature
     assert read == set(switches.KERNEL_SWITCHES)
 
 
 def test_recorded_table_keeps_no_tensors_and_starts_over_when_full(monkeypatch):
-    monkeypatch.setattr(flash_triton, "_recorded", {})
-    monkeypatch.setattr(flash_triton, "MAX_RECORDED", 3)
+    monkeypatch.setattr(flash_replays, "recorded", {})
+    monkeypatch.setattr(flash_replays, "MAX_RECORDED", 3)
     x = torch.zeros(2)
     refused = Recorder((x,))
     refused.refuse("a workspace")
-    flash_triton._remember(("a",), refused)
+    flash_replays.remember(("a",), refused)
     kept = Recorder((x,))
     kept(_Kernel())[(1,)](x, x.clone(), 1, 1, 1.0)  # refused too: the second tensor is no slot
-    flash_triton._remember(("b",), kept)
+    flash_replays.remember(("b",), kept)
     good = Recorder((x, torch.ones(2)))
     good(_Kernel())[(1,)](good.slots[0], good.slots[1], 1, 1, 1.0)
-    flash_triton._remember(("c",), good)
-    assert flash_triton._recorded == {("a",): None, ("b",): None, ("c",): good} and good.slots == ()
-    flash_triton._remember(("d",), None)
-    assert flash_triton._recorded == {("d",): None}
+    flash_replays.remember(("c",), good)
+    assert flash_replays.recorded == {("a",): None, ("b",): None, ("c",): good} and good.slots == ()
+    flash_replays.remember(("d",), None)
+    assert flash_replays.recorded == {("d",): None}
 
 
 def test_interpreted_cpu_or_other_calls_are_never_recorded():
     q = torch.zeros(1, 1, 4, 16)
-    assert flash_triton._replay_key("fwd", True, (q, q, q)) is None
-    assert flash_triton._replay_key("fwd", True, (q, [1.0], q)) is None  # no AttributeError: validation names it
+    assert flash_replays.replay_key("fwd", True, (q, q, q)) is None
+    assert flash_replays.replay_key("fwd", True, (q, [1.0], q)) is None  # no AttributeError: validation names it
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,13 +348,13 @@ def _assert_replays_match_the_ordinary_path(q, k, v, is_causal, grad_out, calls=
         patch.setenv("CS336_FLASH_FUSED_BWD", "0")
         expected = _ordinary(patch, q, k, v, is_causal, grad_out)
         patch.delenv(REPLAY_ENV, raising=False)
-        patch.setattr(flash_triton, "_recorded", {} if table is None else table)
+        patch.setattr(flash_replays, "recorded", {} if table is None else table)
         count = _replays(patch)
         for call in range(calls):
             for got, want in zip(_outputs(q, k, v, is_causal, grad_out), expected):
                 assert torch.equal(got, want)
-            replayable = sum(plan is not None for plan in flash_triton._recorded.values())
-            assert len(count) == call * replayable, (call, len(count), flash_triton._recorded)
+            replayable = sum(plan is not None for plan in flash_replays.recorded.values())
+            assert len(count) == call * replayable, (call, len(count), flash_replays.recorded)
     return expected, len(count)
 
 
@@ -403,7 +405,7 @@ def test_gpu_a_signature_that_cannot_be_replayed_is_recorded_once(monkeypatch):
     ordinary way from its second call on, without being recorded again."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
     monkeypatch.setenv("CS336_FLASH_SPLITS", "2")
-    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_replays, "recorded", {})
     made = []
     real_init = Recorder.__init__
     monkeypatch.setattr(Recorder, "__init__", lambda self, slots: made.append(1) or real_init(self, slots))
@@ -411,7 +413,7 @@ def test_gpu_a_signature_that_cannot_be_replayed_is_recorded_once(monkeypatch):
     with torch.no_grad():
         for _ in range(4):
             FlashAttentionTriton.apply(q, k, v, True)
-    assert len(made) == 1 and list(flash_triton._recorded.values()) == [None]
+    assert len(made) == 1 and list(flash_replays.recorded.values()) == [None]
 
 
 @pytest.mark.gpu
@@ -423,12 +425,12 @@ def test_gpu_model_shapes_replay_every_launch(monkeypatch):
         q, k, v = (token_major_view(4, heads, 512, d, torch.bfloat16, i) for i in range(3))
         grad_out = torch.randn_like(q)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(flash_triton, "_recorded", {})
+            patch.setattr(flash_replays, "recorded", {})
             _outputs(q, k, v, True, grad_out)
             count = _replays(patch)
             _outputs(q, k, v, True, grad_out)
             assert len(count) == 2
-            recorded = flash_triton._recorded
+            recorded = flash_replays.recorded
             assert sorted((key[0], len(plan.launches)) for key, plan in recorded.items()) == [("bwd", 2), ("fwd", 1)]
 
 
@@ -444,13 +446,13 @@ def test_gpu_replays_on_inputs_at_new_addresses_match_the_ordinary_path(monkeypa
         expected = [_ordinary(monkeypatch, *qkv, True, grad_out) for qkv in inputs]
         with pytest.MonkeyPatch.context() as patch:
             patch.delenv(REPLAY_ENV, raising=False)
-            patch.setattr(flash_triton, "_recorded", {})
+            patch.setattr(flash_replays, "recorded", {})
             count = _replays(patch)
             for qkv, want in zip(inputs, expected):
                 for got, ordinary in zip(_outputs(*qkv, True, grad_out), want):
                     assert torch.equal(got, ordinary)
             assert len(count) == 4  # the second and third calls replayed the forward and the backward
-            launches = [launch for plan in flash_triton._recorded.values() for launch in plan.launches]
+            launches = [launch for plan in flash_replays.recorded.values() for launch in plan.launches]
             assert len(launches) == 3
             if flash_replay.DIRECT_TRITON:
                 assert all(launch.direct is not None for launch in launches)
@@ -461,13 +463,13 @@ def test_gpu_calls_without_a_graph_replay_the_functions_recording(monkeypatch):
     """The registry entry under torch.no_grad shares the Function's recordings (one signature, one table):
     its call replays the forward the Function recorded, with the same output, and compiles with fullgraph."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
-    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_replays, "recorded", {})
     q, k, v = (token_major_view(4, 25, 512, 64, torch.bfloat16, i) for i in range(3))
     with torch.no_grad():
         expected = FlashAttentionTriton.apply(q, k, v, True)
         count = _replays(monkeypatch)
         assert torch.equal(flash_triton.flash_attention(q, k, v, True), expected)
-        assert len(count) == 1 and len(flash_triton._recorded) == 1
+        assert len(count) == 1 and len(flash_replays.recorded) == 1
         torch._dynamo.reset()
         compiled = torch.compile(flash_triton.flash_attention, fullgraph=True)
         torch.testing.assert_close(compiled(q, k, v, True), expected)
@@ -481,7 +483,7 @@ def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
     monkeypatch.delenv(REPLAY_ENV, raising=False)
     monkeypatch.delenv("CS336_FLASH_SPLITS", raising=False)
     monkeypatch.setenv("CS336_FLASH_TMA", "0")  # pointer loads whatever the table says: every call recordable
-    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_replays, "recorded", {})
     g = torch.Generator("cuda").manual_seed(3)
     shape = (2, 16, 257, 64)  # enough programs that the forward splits no keys by default
     size = 2 * 16 * 257 * 64
@@ -494,14 +496,14 @@ def test_gpu_signature_changes_take_a_new_recording(monkeypatch):
         expected = _ordinary(monkeypatch, *args, grad_out)
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(_outputs(*args, grad_out), expected))
-    keys = [flash_triton._replay_key("fwd", c, (a, b, w)) for a, b, w, c in cases]
-    assert len(set(keys)) == len(cases) and all(flash_triton._recorded[key] is not None for key in keys)
+    keys = [flash_replays.replay_key("fwd", c, (a, b, w)) for a, b, w, c in cases]
+    assert len(set(keys)) == len(cases) and all(flash_replays.recorded[key] is not None for key in keys)
     monkeypatch.setenv("CS336_FLASH_SPLITS", "2")
     expected = _ordinary(monkeypatch, q, k, v, True, grad_out)
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(_outputs(q, k, v, True, grad_out), expected))
-    key = flash_triton._replay_key("fwd", True, (q, k, v))
-    assert key not in keys and flash_triton._recorded[key] is None  # partials: launched the ordinary way
+    key = flash_replays.replay_key("fwd", True, (q, k, v))
+    assert key not in keys and flash_replays.recorded[key] is None  # partials: launched the ordinary way
 
 
 @pytest.mark.gpu
@@ -524,13 +526,13 @@ def test_gpu_compiled_graphs_replay_the_custom_ops(monkeypatch):
     record and replay their launches as eager calls do, under signatures of their own ("fwd op", "bwd op");
     every call's outputs match the eager ones."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
-    real_plan = flash_triton._plan
-    monkeypatch.setattr(flash_triton, "_plan", lambda *args, traced=False: dataclasses.replace(
+    real_plan = flash_calls.plan_call
+    monkeypatch.setattr(flash_calls, "plan_call", lambda *args, traced=False: dataclasses.replace(
         real_plan(*args, traced=traced), traced="custom_op") if traced else real_plan(*args))
     q, k, v = (token_major_view(4, 8, 512, 64, torch.bfloat16, i) for i in range(3))
     grad_out = torch.randn_like(q)
     expected = _ordinary(monkeypatch, q, k, v, True, grad_out)
-    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_replays, "recorded", {})
     count = _replays(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True)
@@ -540,8 +542,8 @@ def test_gpu_compiled_graphs_replay_the_custom_ops(monkeypatch):
         o.backward(grad_out)
         for got, want in zip([o.detach()] + [t.grad for t in leaves], expected):
             torch.testing.assert_close(got, want)
-    assert sorted(key[0] for key in flash_triton._recorded) == ["bwd op", "fwd op"]
-    assert all(plan is not None for plan in flash_triton._recorded.values()) and len(count) == 4
+    assert sorted(key[0] for key in flash_replays.recorded) == ["bwd op", "fwd op"]
+    assert all(plan is not None for plan in flash_replays.recorded.values()) and len(count) == 4
     torch._dynamo.reset()
 
 
@@ -552,10 +554,10 @@ def test_compiled_calls_do_not_guard_on_the_recorded_table(monkeypatch):
     from attention_reference import random_qkv as qkv
 
     torch._dynamo.reset()
-    monkeypatch.setattr(flash_triton, "_recorded", {})
+    monkeypatch.setattr(flash_replays, "recorded", {})
     compiled = torch.compile(FlashAttentionTriton.apply, fullgraph=True, backend="aot_eager")
     q, k, v = qkv((1, 2), 40, 40, 16, torch.float32, "cpu", seed=3)
     compiled(q, k, v, True)
-    flash_triton._recorded[("an eager signature",)] = None
+    flash_replays.recorded[("an eager signature",)] = None
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled(q, k, v, True)

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from hypothesis_profiles import max_examples
 
 from cs336_systems import attention
+from cs336_systems.attention import flash_calls
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
-from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS
+from cs336_systems.attention.kernels.portable.configs import SPLIT_LAYOUTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,7 +90,7 @@ def test_every_head_dim_matches_float64_reference(d, dtype, split_d, nq, nk, is_
 def test_head_dim_tiles(monkeypatch):
     """Opted in: every kernel takes the two power-of-two tiles of `SPLIT_LAYOUTS` (the narrow tile first where it
     is 32 wide or more: the order that ran clean on an H100), else the padded one."""
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, KERNELS, block_d, d_tiles
+    from cs336_systems.attention.kernels.portable.configs import HEAD_DIMS, KERNELS, block_d, d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     expected = {8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (64, 0), 48: (32, 16), 56: (64, 0), 64: (64, 0),
@@ -115,8 +116,8 @@ def test_default_runs_the_padded_tile_everywhere(monkeypatch):
     forward split on the listed capabilities and off CUDA."""
     import warnings
 
-    from cs336_systems.attention.kernels import flash_configs
-    from cs336_systems.attention.kernels.flash_configs import HEAD_DIMS, SPLIT_LAYOUTS, ShapeKey, block_d, d_tiles
+    from cs336_systems.attention.kernels.portable import configs as flash_configs
+    from cs336_systems.attention.kernels.portable.configs import HEAD_DIMS, SPLIT_LAYOUTS, ShapeKey, block_d, d_tiles
 
     monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)
     monkeypatch.setattr(flash_configs, "_split_warned", False)  # a warning left over from another test must not hide one
@@ -144,7 +145,7 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
     (RuntimeWarning naming the variable and the failure), later ones stay quiet; the default never warns."""
     import warnings
 
-    from cs336_systems.attention.kernels import flash_configs
+    from cs336_systems.attention.kernels.portable import configs as flash_configs
 
     monkeypatch.setattr(flash_configs, "_split_warned", False)
     with warnings.catch_warnings(record=True) as seen:
@@ -163,7 +164,7 @@ def test_opting_in_to_split_tiles_warns_once_a_process(monkeypatch):
 
 
 def test_split_head_dim_switch(monkeypatch):
-    from cs336_systems.attention.kernels.flash_configs import d_tiles
+    from cs336_systems.attention.kernels.portable.configs import d_tiles
 
     monkeypatch.delenv("CS336_FLASH_SPLIT_D", raising=False)  # the default: padded everywhere
     assert d_tiles(80, torch.bfloat16, "fwd") == (128, 0) and d_tiles(80, torch.bfloat16, "dkdv") == (128, 0)
@@ -178,8 +179,8 @@ def test_split_head_dim_switch(monkeypatch):
 
 
 def _split_forward_against_padded(d, dtype, device):
-    from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import SPLIT_LAYOUTS, TileConfig, block_d
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
+    from cs336_systems.attention.kernels.portable.configs import SPLIT_LAYOUTS, TileConfig, block_d
 
     for nq, nk in ((1, 1), (17, 63), (130, 130), (1, 300)):
         q, k, v = random_qkv((2, 3), nq, nk, d, dtype, device, seed=nq * 1000 + nk)
@@ -222,8 +223,8 @@ def test_split_head_dim_matches_the_padded_tile(d, is_causal, monkeypatch):
     """The split and the padded tile compute the same sums in another grouping: equal up to float32
     accumulation order and the fp16 rounding of the outputs, with the key-split forward (which keeps the padded
     tile) and the two-pass dK/dV as well (fp16: float32 inputs keep the padded tile)."""
-    from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import TileConfig, d_tiles
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
+    from cs336_systems.attention.kernels.portable.configs import TileConfig, d_tiles
 
     monkeypatch.setenv("CS336_FLASH_SPLIT_D", "1")
     assert d_tiles(d, torch.float16, "dq")[1]
@@ -299,14 +300,14 @@ class FakeCuda:
 
 @pytest.fixture
 def h100_sms(monkeypatch):
-    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     monkeypatch.setattr(flash_launch, "sm_count", lambda index: 132)
     return flash_launch
 
 
 def test_group_splits_are_divisors_chosen_to_fill_the_sms(h100_sms, monkeypatch):
-    from cs336_systems.attention.kernels.flash_configs import TileConfig
+    from cs336_systems.attention.kernels.portable.configs import TileConfig
 
     flash_launch = h100_sms
     cfg = TileConfig(64, 128, 4, 3)
@@ -635,8 +636,8 @@ def test_key_split_forward_matches_float64_reference(bh, nq, nk, d, is_causal, s
     """The split forward (chunks of keys per query tile, then a combine kernel): o and L against float64,
     including chunks that hold only keys above some rows' diagonal (BLOCK_M > BLOCK_N) and chunks with no
     keys at all."""
-    from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import TileConfig
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
+    from cs336_systems.attention.kernels.portable.configs import TileConfig
 
     q, k, v = (t.detach() for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
     cfg = TileConfig(*tiles, 4, 1)
@@ -658,7 +659,7 @@ def test_split_forward_through_autograd_matches_float64_reference(monkeypatch, i
 
 
 def test_key_splits_are_chosen_only_for_grids_that_leave_sms_idle(h100_sms, monkeypatch):
-    from cs336_systems.attention.kernels.flash_configs import TileConfig
+    from cs336_systems.attention.kernels.portable.configs import TileConfig
 
     flash_launch = h100_sms
     cfg = TileConfig(64, 64, 4, 3)
@@ -717,12 +718,12 @@ def test_registered_ops_match_the_eager_fast_path():
     """Eager calls launch the kernels directly; torch.compile goes through the registered ops: same results."""
     q, k, v = (t.detach().reshape(2, -1, 32) for t in random_qkv((2,), 70, 70, 32, torch.float32, DEVICE, seed=5))
     o, lse = torch.ops.cs336.flash_attn_fwd(q, k, v, True)
-    o_fast, lse_fast = flash_triton._forward(q, k, v, True)
+    o_fast, lse_fast = flash_calls.forward(q, k, v, True)
     torch.testing.assert_close(o, o_fast, rtol=0, atol=0)
     torch.testing.assert_close(lse, lse_fast, rtol=0, atol=0)
     do = torch.randn_like(o)
     for a, b in zip(torch.ops.cs336.flash_attn_bwd(q, k, v, o, lse, do, True),
-                    flash_triton._backward(q, k, v, o, lse, do, True)):
+                    flash_calls.backward(q, k, v, o, lse, do, True)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert flash_triton._eager(q)
     assert not flash_triton._eager(torch.nn.Parameter(q))  # a subclass (e.g. FakeTensor) takes the op path
@@ -752,7 +753,7 @@ def test_backward_is_two_launches_dq_first():
     """The preprocess D = rowsum(O * dO) runs in the dQ kernel's prologue: the backward launches the dQ
     kernel and then the dK/dV kernel, which reads the D that dQ stored (each launch is host time that small
     problems pay in full)."""
-    from cs336_systems.attention.kernels import flash_kernels as triton_kernels
+    from cs336_systems.attention.kernels.portable import kernels as triton_kernels
 
     launched = []
 
@@ -762,9 +763,9 @@ def test_backward_is_two_launches_dq_first():
 
     q, k, v = random_qkv((1,), 40, 40, 16, torch.float32, DEVICE, 0)
     q3, k3, v3 = (t.detach().reshape(-1, 40, 16) for t in (q, k, v))
-    o, lse = flash_triton._forward(q3, k3, v3, True)
+    o, lse = flash_calls.forward(q3, k3, v3, True)
     do = torch.randn_like(o)
-    flash_triton._backward(q3, k3, v3, o, lse, do, True, wrap=counting)
+    flash_calls.backward(q3, k3, v3, o, lse, do, True, wrap=counting)
     assert launched == [triton_kernels.flash_bwd_dq_kernel, triton_kernels.flash_bwd_dkdv_kernel]
 
 
@@ -805,8 +806,8 @@ def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, spli
     slices check each slice's descriptor row offset; ragged N checks that the masked tiles (pointer loads)
     and the unmasked ones (descriptors) split the key range right; N a multiple of the tile checks the
     band mode (TMA=2: the masked diagonal tiles through the descriptors as well)."""
-    from cs336_systems.attention.kernels import flash_launch
-    from cs336_systems.attention.kernels.flash_configs import TileConfig
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
+    from cs336_systems.attention.kernels.portable.configs import TileConfig
 
     q, k, v = (t.detach().reshape(bh, -1, d) for t in random_qkv((bh,), nq, nk, d, dtype, DEVICE, seed))
     do = torch.randn_like(q)
@@ -827,7 +828,7 @@ def test_tma_descriptor_loads_match_pointer_loads(bh, nq, nk, d, is_causal, spli
 
 
 def test_tma_is_used_only_where_descriptors_fit(monkeypatch):
-    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     t = torch.randn(2, 64, 32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -925,7 +926,7 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
 
     (o, *grads), code = run_and_get_code(compiled_step)
     code = "".join(code)
-    if flash_triton._plan(q, k, True, (q, k, v), "", traced=True).traced == "custom_op":
+    if flash_calls.plan_call(q, k, True, (q, k, v), "", traced=True).traced == "custom_op":
         assert "torch.ops.cs336.flash_attn_fwd.default" in code and "torch.ops.cs336.flash_attn_bwd.default" in code
     else:  # inductor launches the kernels itself, forward and backward: no registered custom op is called
         assert all(name in code for name in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"))
@@ -938,7 +939,7 @@ def test_gpu_compiled_token_major_call_runs_the_inductor_ops(heads, kv_heads, d)
 def test_token_major_inputs_reach_the_kernels_without_copies(monkeypatch):
     """The launchers get the caller's own q, k, v, o and dO memory (same data pointers and strides), not
     contiguous copies."""
-    from cs336_systems.attention.kernels import flash_launch
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     seen = []
     for name in ("forward", "dq", "dkdv"):
@@ -968,7 +969,8 @@ def test_four_dimensional_grouped_batches_with_splits_and_descriptors(tma, split
     contiguous K/V) and the key-split forward, against float64."""
     from attention_reference import reference
 
-    from cs336_systems.attention.kernels import flash_configs, flash_launch
+    from cs336_systems.attention.kernels.portable import configs as flash_configs
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     g = torch.Generator().manual_seed(tma * 10 + splits)
     q = torch.randn(2, 4, 64, 32, generator=g)
@@ -982,7 +984,8 @@ def test_four_dimensional_grouped_batches_with_splits_and_descriptors(tma, split
 
 
 def test_launchers_refuse_other_ranks_and_descriptors_over_strided_tensors(monkeypatch):
-    from cs336_systems.attention.kernels import flash_configs, flash_launch
+    from cs336_systems.attention.kernels.portable import configs as flash_configs
+    from cs336_systems.attention.kernels.portable import launch as flash_launch
 
     with pytest.raises(ValueError, match=r"take \(Z, H, N, d\) or \(BH, N, d\) tensors, got shape \(40, 32\)"):
         flash_launch.as_4d(torch.empty(40, 32))

@@ -8,7 +8,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from cs336_systems import switches
 from cs336_systems.attention import plan as planning
-from cs336_systems.attention.kernels import flash_configs
+from cs336_systems.attention.kernels.portable import configs as flash_configs
 from cs336_systems.attention.plan import Device, FlashOptions, Problem, plan
 
 H200 = Device.preset("H200")

@@ -23,8 +23,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cs336_systems.attention.kernels import flash_kernels as kernels
-from cs336_systems.attention.kernels.flash_configs import d_tiles
+from cs336_systems.attention.kernels.portable import kernels
+from cs336_systems.attention.kernels.portable.configs import d_tiles
 
 causal = sys.argv[1] == "causal"
 tma = sys.argv[2] != "pointers"

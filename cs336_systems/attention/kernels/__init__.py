@@ -1,10 +1,10 @@
-"""flash-triton's kernels and the Python around them.
+"""flash-triton's kernels and the Python that launches them.
 
-  flash_kernels   the @triton.jit code: forward, backward preprocess, dK/dV, dQ, split-key combine
-  flash_launch    grids, tensor descriptors and launches of those kernels
-  flash_replay    eager calls' launches recorded once per call signature and replayed
-  flash_configs   tile configurations: shape keys, the table measured on an H100, defaults, search spaces
-  flash_autotune  the tuner and its cache (`python -m cs336_systems.flash_autotune`)
+  portable/   Triton kernels that run on any CUDA GPU and under Triton's interpreter, with their launchers,
+              tile configurations and autotuner
+  hopper/     Gluon kernels for sm_90 (H100, H200): asynchronous warpgroup MMAs, TMA, warp specialization
+  replay      an eager call's launches recorded once per call signature and replayed
 
-Imports Triton: load it lazily (cs336_systems.attention does).
+Which of them runs for a call is decided by `cs336_systems.attention.plan`, nowhere here.  Imports Triton:
+load it lazily (cs336_systems.attention does).
 """

@@ -14,8 +14,8 @@ causality (how much of the work is the masked diagonal band), the sequence lengt
 smaller tiles (more programs) win there, while at the leaderboard shape (16 x 128 tiles) per-tile
 efficiency decides.  `ShapeKey` buckets exactly those parameters.
 
-Choice, first match wins (`flash_autotune.select`):
-  1. the autotune cache (`flash_autotune`): configurations measured on this GPU model and Triton version;
+Choice, first match wins (`autotune.select`):
+  1. the autotune cache (`autotune`): configurations measured on this GPU model and Triton version;
   2. `TUNED_SM90`: configurations measured on an H100 (sm_90) with `python -m cs336_systems.flash_autotune`
      and pasted here, used on sm_90 devices; a shape between measured points takes the nearest one, and a
      split head-dim width with no entries of its own (d = 80 runs 64 + 16 columns) its padded width's (128);
@@ -129,7 +129,7 @@ class TileConfig:
     """BLOCK_M (queries) x BLOCK_N (keys) tile, warps per program, software-pipelining depth, and how the
     forward / dQ kernel streams K and V (`tma`): 0 pointer loads; 1 TMA descriptors for the unmasked tiles,
     bounds-masked pointer loads for the diagonal band; 2 descriptors for the band too, where BLOCK_N divides
-    N (else mode 1).  `flash_launch.use_tma` decides whether the tensors allow descriptors; the dK/dV kernel
+    N (else mode 1).  `launch.use_tma` decides whether the tensors allow descriptors; the dK/dV kernel
     has no descriptor path and ignores the field.  `parts` (dK/dV kernel only; the others ignore it): 1
     accumulates dK and dV in one program; 2 runs two passes over the same tiles, one accumulating dV and one
     dK, so each program keeps one (BLOCK_N, d) float32 accumulator instead of two (it recomputes P, and the

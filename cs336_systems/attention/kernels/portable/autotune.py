@@ -4,8 +4,8 @@
     tune(bh, n_queries, n_keys, head_dim, dtype, causal)            -> TuneResult (and cached)
 
 `select` is what every call uses: the autotune cache for this GPU model and Triton version, else the
-configurations measured on an H100 and committed in `flash_configs.TUNED_SM90` (sm_90 devices only),
-else `flash_configs.default_config`.  Results are memoized per (ShapeKey, device), so the eager path pays
+configurations measured on an H100 and committed in `configs.TUNED_SM90` (sm_90 devices only),
+else `configs.default_config`.  Results are memoized per (ShapeKey, device), so the eager path pays
 for the lookup once per shape bucket.
 
 Autotuning is opt-in: `CS336_FLASH_AUTOTUNE=1` makes an eager call on real CUDA tensors tune its shape
@@ -17,7 +17,7 @@ run it ahead of time:
 Under torch.compile the kernels are chosen while tracing, on fake tensors that cannot be timed, so a
 compiled call reads the cache but never tunes: tune the shape first (eagerly or with the CLI).
 
-Tuning one shape: every candidate of `flash_configs.candidates` for each kernel is compiled, checked
+Tuning one shape: every candidate of `configs.candidates` for each kernel is compiled, checked
 against the default configuration's output (a wrong result disqualifies it) and timed with
 `triton.testing.do_bench` (median); candidates that fail to compile or launch (shared memory) are
 skipped.  Each kernel is timed alone, on the same inputs, so the three choices are independent.  The
@@ -55,9 +55,9 @@ import triton
 
 from cs336_systems import switches
 from cs336_systems.attention.checks import dims_text
-from cs336_systems.attention.kernels import flash_configs as configs
-from cs336_systems.attention.kernels import flash_launch as launch
-from cs336_systems.attention.kernels.flash_configs import KERNELS, ShapeKey, TileConfig
+from cs336_systems.attention.kernels.portable import configs
+from cs336_systems.attention.kernels.portable import launch
+from cs336_systems.attention.kernels.portable.configs import KERNELS, ShapeKey, TileConfig
 from cs336_systems.cli_args import unwritable_reason
 from cs336_systems.switches import interpreter_active  # (re-exported: flash_triton asks it here)
 
@@ -66,7 +66,7 @@ CACHE_ENV = "CS336_FLASH_CACHE"
 
 _selected: dict[tuple[ShapeKey, str], dict[str, TileConfig]] = {}
 # Bumped whenever a memoized choice may change (a tuning saved, the memo cleared): flash_triton's recorded
-# launches (`flash_replay`) are keyed on it, so they are recorded again with the new choice.
+# launches (`replay`) are keyed on it, so they are recorded again with the new choice.
 generation = 0
 _cache: dict[str, dict[str, dict[str, str]]] | None = None
 
@@ -373,7 +373,7 @@ def tune(bh: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype
 
     q, k, v, do = rand(n_queries), rand(n_keys), rand(n_keys), rand(n_queries)
     base = configs.default_config(key)
-    # A forward that runs split by default (`flash_configs.FORWARD_SPLIT_HEAD_DIMS`) has its configuration
+    # A forward that runs split by default (`configs.FORWARD_SPLIT_HEAD_DIMS`) has its configuration
     # keyed by the padded width, which d 112 and 128 share: time the padded tile there, so that the cache entry
     # means one tile for every head dim that reads it (the split one holds fewer columns, so it fits too).
     fwd_tiles = None if configs.split_opted_in(head_dim, dtype) else (configs.block_d(head_dim), 0)

@@ -20,7 +20,7 @@ dropped).  Causal programs run longest first; only key tiles that cross the diag
 are masked.  Grouped-query attention: query head h reads K/V head h // group.
 
 At d 80 and 96 (128-wide tiles) S and dP are computed over two K-dim slices of the tiles, 64 and d - 64
-columns, and dQ accumulates in two register tiles of those widths (`flash_fwd_hopper.dot_nt`): no work on
+columns, and dQ accumulates in two register tiles of those widths (`common.dot_nt`): no work on
 the tile's zero columns.
 
 Where it runs is decided by `cs336_systems.attention.plan` (its table `RULES`): d 256, where the portable dQ
@@ -30,9 +30,9 @@ since at longer causal rows the portable kernel's 128-row programs measured fast
 (docs/flash-attention-experiments.md, Section 14).  At d 128 the ring has two stages once the grid is large
 enough (`two_stages`): two programs an SM instead of one.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and helpers it shares);
-``CS336_FLASH_HOPPER_BWD`` (`FlashOptions.hopper_bwd`) switches it and flash_dkdv_hopper together; bfloat16 and
-float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles, `flash_fwd_hopper.tile_dim`).
+Written against Triton 3.6's Gluon API, like the other Gluon kernels (its descriptors and helpers are `common`'s);
+``CS336_FLASH_HOPPER_BWD`` (`FlashOptions.hopper_bwd`) switches it and hopper.dkdv together; bfloat16 and
+float16; head dims 64, 80, 96, 128 and 256 (80 and 96 in 128-wide tiles, `common.tile_dim`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct
+from cs336_systems.attention.kernels.hopper import common
+from cs336_systems.attention.kernels.portable.launch import direct
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # d 128: Q + dO 32 KB and two stages of K + V (64 KB) fit two programs an SM, where three stages (128 KB) fit
@@ -94,10 +94,10 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
                            D_SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, BLOCK_M, CAUSAL)
+    bh, z, h, kv_head, start_m = common.query_tile(heads, group, BLOCK_M, CAUSAL)
 
-    s_layout: gl.constexpr = fwd.mma_layout(num_warps, BLOCK_N)
-    acc_layout: gl.constexpr = fwd.mma_layout(num_warps, HEAD_DIM)
+    s_layout: gl.constexpr = common.mma_layout(num_warps, BLOCK_N)
+    acc_layout: gl.constexpr = common.mma_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # D_SPLIT > 0: dQ in two accumulators, columns [0, 64) and [64, 64 + D_SPLIT) (none for the tile's zeros)
     W2: gl.constexpr = D_SPLIT if D_SPLIT > 0 else 16
@@ -106,19 +106,19 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     rowsum_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                    warps_per_cta=[num_warps, 1], order=[1, 0])
 
-    q_buf, do_buf, qdo_bar = fwd.alloc_pair(q_desc, do_desc, BLOCK_M, HEAD_DIM)
-    k_buf, v_buf, ready = fwd.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    q_buf, do_buf, qdo_bar = common.alloc_pair(q_desc, do_desc, BLOCK_M, HEAD_DIM)
+    k_buf, v_buf, ready = common.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
     fence_async_shared()
     q_smem = q_buf.reshape([BLOCK_M, HEAD_DIM])
     do_smem = do_buf.reshape([BLOCK_M, HEAD_DIM])
 
-    n_tiles, full = fwd.key_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    n_tiles, full = common.key_tiles(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], qdo_bar, q_buf)
     tma.async_copy_global_to_shared(do_desc, [z, h, start_m, 0], qdo_bar, do_buf)
     for t in gl.static_range(NUM_STAGES):
-        fwd.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
+        common.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, t, n_tiles, BLOCK_N, NUM_STAGES)
 
     # delta = rowsum(O * dO) for these rows, stored for the dK/dV kernel
     rows_b = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rowsum_layout))
@@ -137,8 +137,8 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     lse = gl.load(L + bh * n_q + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
 
     if D_SPLIT > 0:
-        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, 64], gl.float32, layout=fwd.mma_layout(num_warps, 64)))
-        dq_hi = warpgroup_mma_init(gl.zeros([BLOCK_M, W2], gl.float32, layout=fwd.mma_layout(num_warps, W2)))
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, 64], gl.float32, layout=common.mma_layout(num_warps, 64)))
+        dq_hi = warpgroup_mma_init(gl.zeros([BLOCK_M, W2], gl.float32, layout=common.mma_layout(num_warps, W2)))
     else:
         dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -147,8 +147,8 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         k_s = k_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
         v_s = v_buf.index(stage).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = fwd.dot_nt(q_smem, k_s, s_zero, D_SPLIT)
-        dp_tok = fwd.dot_nt(do_smem, v_s, s_zero, D_SPLIT)
+        s_tok = common.dot_nt(q_smem, k_s, s_zero, D_SPLIT)
+        dp_tok = common.dot_nt(do_smem, v_s, s_zero, D_SPLIT)
         # S done, and so is the previous tile's dQ product: its ring stage takes tile j - 1 + NUM_STAGES
         # (dP's one group in flight, two when sliced)
         if D_SPLIT > 0:
@@ -156,7 +156,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
         else:
             s, dq = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, dq))
         if j > 0:
-            fwd.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
+            common.load_kv(k_desc, v_desc, k_buf, v_buf, ready, z, kv_head, j - 1 + NUM_STAGES, n_tiles, BLOCK_N,
                          NUM_STAGES)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
         if j >= full:
@@ -168,7 +168,7 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_smem, do_smem, k_s, v_s))[0]
         ds = p * (dp - gl.expand_dims(delta, 1))
         if D_SPLIT > 0:
-            dq, dq_hi = fwd.dot_split_n(ds.to(dtype), k_s, dq, dq_hi, D_SPLIT)
+            dq, dq_hi = common.dot_split_n(ds.to(dtype), k_s, dq, dq_hi, D_SPLIT)
         else:
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_s, dq, is_async=True)
 
@@ -190,22 +190,22 @@ def flash_dq_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, stride_o
     tma.store_wait(0)
 
 
-def dq(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
+def launch(q, k, v, o, do, lse, delta, dq_out, causal: bool, wrap=direct) -> None:
     """dq_out (like q; TMA strides, `plan.tma_layout_ok`) and delta ((Z, H, Nq) contiguous float32)
-    written in place; lse is the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `flash_launch.direct`,
-    or a `flash_replay.Recorder` recording the launch."""
+    written in place; lse is the forward's L, (Z, H, Nq) contiguous float32.  ``wrap``: `portable.launch.direct`,
+    or a `replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     heads = q.shape[1]
-    width = fwd.tile_dim(d)
+    width = common.tile_dim(d)
     count = programs(q.shape[0], heads, n_q)
-    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not fwd.enough_work(count, q.device, 1),
+    block_m, block_n, stages = tiles(width, n_q >= LONG_QUERIES or not common.enough_work(count, q.device, 1),
                                      two_stages(d, count, causal))
     grid = (triton.cdiv(n_q, block_m), q.shape[0] * heads)
     wrap(flash_dq_hopper_kernel)[grid](
-        fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
-        fwd.descriptor(do, block_m), fwd.descriptor(dq_out, block_m), o, o.stride(0), o.stride(1), o.stride(2),
-        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1], d,
+        common.descriptor(q, block_m), common.descriptor(k, block_n), common.descriptor(v, block_n),
+        common.descriptor(do, block_m), common.descriptor(dq_out, block_m), o, o.stride(0), o.stride(1), o.stride(2),
+        lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, heads // k.shape[1], d,
         CAUSAL=causal, HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         num_warps=block_m // 16,  # one warpgroup per 64 query rows
-        D_SPLIT=fwd.d_split(d),
+        D_SPLIT=common.d_split(d),
     )

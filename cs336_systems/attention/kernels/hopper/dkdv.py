@@ -5,7 +5,7 @@ MMAs, so that each step's exponentials and elementwise work overlap tensor-core 
     q, do: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32
 
 lse is the forward's L (natural log) and delta = rowsum(O * dO), which the portable dQ kernel
-(flash_kernels.flash_bwd_dq_kernel) computes and stores; launch that one first, as the portable backward does.
+(portable.kernels.flash_bwd_dq_kernel) computes and stores; launch that one first, as the portable backward does.
 
 One program of one warpgroup (4 warps) owns BLOCK_N = 64 keys of one (z, h_kv) (wgmma's M) with K and V
 resident in shared memory and dK, dV accumulating in registers, and walks the query tiles (BLOCK_M rows) of
@@ -32,10 +32,10 @@ portable kernel makes at this head dim (`TileConfig.parts`), and the same arithm
 results equal the one-pass kernel's.  Short rows run both parts in one launch (a third grid axis); long rows
 in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256).
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and helpers it shares); where
+Written against Triton 3.6's Gluon API, like the other Gluon kernels (its descriptors and helpers are `common`'s); where
 it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  bfloat16 and float16; head dims 64,
-80, 96, 128 and 256 (80 and 96 in 128-wide tiles: `flash_fwd_hopper.tile_dim`, with S^T and dP^T over two
-K-dim slices of the tiles, 64 and d - 64 columns, `flash_fwd_hopper.dot_nt`; dK and dV keep 128-wide
+80, 96, 128 and 256 (80 and 96 in 128-wide tiles: `common.tile_dim`, with S^T and dP^T over two
+K-dim slices of the tiles, 64 and d - 64 columns, `common.dot_nt`; dK and dV keep 128-wide
 accumulators, so their products still run over the tile's zero columns).
 """
 
@@ -55,8 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct
+from cs336_systems.attention.kernels.hopper import common
+from cs336_systems.attention.kernels.portable.launch import direct
 
 HEAD_DIMS = (64, 80, 96, 128, 256)  # where it runs: `cs336_systems.attention.plan`
 
@@ -112,17 +112,17 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
     """One program: BLOCK_N keys of one (z, h_kv).  PART 0 accumulates dK and dV; PART 1 only dV (S^T and
-    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q).  D_SPLIT: `flash_fwd_hopper.dot_nt`'s, for
+    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q).  D_SPLIT: `common.dot_nt`'s, for
     S^T and dP^T."""
     dtype: gl.constexpr = q_desc.dtype
-    DP_GROUPS: gl.constexpr = 2 if D_SPLIT > 0 else 1  # wgmma groups of dP^T (`flash_fwd_hopper.dot_nt`)
+    DP_GROUPS: gl.constexpr = 2 if D_SPLIT > 0 else 1  # wgmma groups of dP^T (`common.dot_nt`)
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
     z = zh // kv_heads
     kv_head = zh % kv_heads
 
-    s_layout: gl.constexpr = fwd.mma_layout(num_warps, BLOCK_M)
-    acc_layout: gl.constexpr = fwd.mma_layout(num_warps, HEAD_DIM)
+    s_layout: gl.constexpr = common.mma_layout(num_warps, BLOCK_M)
+    acc_layout: gl.constexpr = common.mma_layout(num_warps, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -177,16 +177,16 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        s_tok = fwd.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
+        s_tok = common.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
         # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
         # (dP^T left in flight)
         if PART == 0:
-            dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
+            dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
             s_t, dk, dv = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk, dv))
         elif PART == 1:
             s_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dv))
         else:
-            dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
+            dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
             s_t, dk = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk))
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
@@ -240,8 +240,8 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
                              num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
     """Grid (key blocks, Z * H_kv, 1 or 2).  PART 0: dK and dV in one program; 1: dV only; 2: dK only; 3:
     program_id(2) picks (0: dV, 1: dK), one float32 accumulator per program (d 256)."""
-    k_buf, v_buf, kv_bar = fwd.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
-    q_buf, do_buf, ready = fwd.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
+    k_buf, v_buf, kv_bar = common.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
+    q_buf, do_buf, ready = common.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
     fence_async_shared()
     if PART != 3:
         _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
@@ -257,39 +257,39 @@ def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
                       BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
 
 
-def _launch(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int,
+def _launch_part(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int,
             wrap=direct) -> None:
     n_q, d = q.shape[-2:]
     kv_heads = k.shape[1]
     block_n, block_m, stages = tile
     grid = (triton.cdiv(k.shape[-2], block_n), k.shape[0] * kv_heads, 2 if part == 3 else 1)
     wrap(flash_dkdv_hopper_kernel)[grid](
-        fwd.descriptor(q, block_m), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n),
-        fwd.descriptor(do, block_m), fwd.descriptor(dk, block_n), fwd.descriptor(dv, block_n), lse, delta,
-        1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
-        CAUSAL=causal, HEAD_DIM=fwd.tile_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PART=part,
+        common.descriptor(q, block_m), common.descriptor(k, block_n), common.descriptor(v, block_n),
+        common.descriptor(do, block_m), common.descriptor(dk, block_n), common.descriptor(dv, block_n), lse, delta,
+        1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
+        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PART=part,
         num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
-        D_SPLIT=fwd.d_split(d),
+        D_SPLIT=common.d_split(d),
     )
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
+def launch(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
     """dk, dv (like k, v; TMA strides, `plan.tma_layout_ok`) written in place; lse, delta (Z, H, Nq)
     contiguous float32.
 
     d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key
     block, or, at SPLIT_MIN_QUERIES queries or more where each part alone fills the GPU (a key block per SM),
     two launches, so that the dV part takes its own, taller steps (DV_TILES_256); from LONG_QUERIES queries
-    the dK part takes shorter ones (DK_TILES_LONG_256).  ``wrap``: `flash_launch.direct`, or a
-    `flash_replay.Recorder` recording the launches."""
-    width = fwd.tile_dim(q.shape[-1])
+    the dK part takes shorter ones (DK_TILES_LONG_256).  ``wrap``: `portable.launch.direct`, or a
+    `replay.Recorder` recording the launches."""
+    width = common.tile_dim(q.shape[-1])
     if parts(width) == 1:
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0, wrap)
+        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0, wrap)
         return
     key_blocks = triton.cdiv(k.shape[-2], tiles(width)[0]) * k.shape[0] * k.shape[1]
-    if q.shape[-2] >= SPLIT_MIN_QUERIES and fwd.enough_work(key_blocks, q.device, 1):
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1, wrap)
+    if q.shape[-2] >= SPLIT_MIN_QUERIES and common.enough_work(key_blocks, q.device, 1):
+        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1, wrap)
         dk_tiles = DK_TILES_LONG_256 if q.shape[-2] >= LONG_QUERIES else tiles(width)
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, dk_tiles, 2, wrap)
+        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, dk_tiles, 2, wrap)
     else:
-        _launch(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 3, wrap)
+        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 3, wrap)

@@ -239,7 +239,7 @@ def flash_fwd_split_kernel(
     so its masked scores count as exp2(0) = 1 and its partial is garbage, but its L is ~MASKED (-1e6):
     weight exp2(-1e6 - L) = 0 in the combine, next to the row's chunks that do hold visible keys.
     One head-dim tile (BLOCK_D, padded past d where needed): split head dims take the padded tile here
-    (`flash_launch.forward`).
+    (`launch.forward`).
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # the (batch z, query head h) slice, z * heads + h

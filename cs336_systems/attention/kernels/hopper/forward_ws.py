@@ -3,14 +3,14 @@ warp and two consumer warpgroups that run independently of each other.
 
     forward(q, k, v, o, lse, causal)   q, o: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse: (Z, H, Nq) float32
 
-`flash_fwd_hopper`'s kernel runs its two warpgroups (64 query rows each) as one 8-warp program: the compiled
+`hopper.forward`'s kernel runs its two warpgroups (64 query rows each) as one 8-warp program: the compiled
 code puts a CTA-wide barrier before every TMA issue and around the ring's waits, which locks the two
 warpgroups into the same step, so neither's softmax runs under the other's products.  Here the program is
 split with `gl.warp_specialize` into three partitions over one shared-memory plan:
 
     producer (1 warp):            Q's two 64-row halves, then K_j, V_j into ring stage j % NUM_STAGES once both
                                   consumers have released the tile that stage held (`empty`, count 2)
-    consumer w (4 warps, w 0, 1): rows start_m + 64 w .. + 64, per key tile j, as flash_fwd_hopper's warpgroup:
+    consumer w (4 warps, w 0, 1): rows start_m + 64 w .. + 64, per key tile j, as hopper.forward's warpgroup:
                                   S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued asynchronously, the softmax of
                                   S_j under P_{j-1} V_{j-1}, then release tile j - 1's stage
 
@@ -20,7 +20,7 @@ rebalanced per partition: the launch's 168 a thread over 12 warps (the producer'
 then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
 NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.
 
-The arithmetic per row is flash_fwd_hopper's (same tiles, same order of products and softmax steps), so O and
+The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so O and
 L equal that kernel's bit for bit (GPU test).  That holds because BLOCK_N equals the 128-row block: each
 consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer would skip
 the mask on a tile that kernel masks, a result as correct but not bit-equal).  Causal programs run longest
@@ -28,8 +28,8 @@ first; both consumers walk the key tiles of the whole 128-row block (the produce
 masking with its own rows, so a consumer may see a tile whose keys are all after its rows: its scores are
 masked to -1e6 and add zeros.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper.  Where the Gluon forward runs is decided by
-`cs336_systems.attention.plan` (its table `RULES`), which takes this kernel instead of flash_fwd_hopper's at
+Written against Triton 3.6's Gluon API, like the other Gluon kernels.  Where the Gluon forward runs is decided by
+`cs336_systems.attention.plan` (its table `RULES`), which takes this kernel instead of hopper.forward's at
 the head dims in `HEAD_DIMS` (the plan's `WS_HEAD_DIMS`).
 """
 
@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct
+from cs336_systems.attention.kernels.hopper import common
+from cs336_systems.attention.kernels.portable.launch import direct
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
@@ -70,8 +70,8 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, 
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """TMA loads: Q's two halves once (q_bar), then every key tile of the block into the ring, each stage
     reused once both consumers released it."""
-    bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, 128, CAUSAL)
-    n_tiles, full = fwd.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)
+    bh, z, h, kv_head, start_m = common.query_tile(heads, group, 128, CAUSAL)
+    n_tiles, full = common.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf.index(0))
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m + 64, 0], q_bar, q_buf.index(1))
@@ -90,19 +90,19 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, 
 def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
               W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr):
-    """Rows start_m + 64 W .. + 64: flash_fwd_hopper's warpgroup loop on the producer's ring, then O through
+    """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's ring, then O through
     its half of Q's buffer and a TMA store, and L."""
     dtype: gl.constexpr = o_desc.dtype
-    bh, z, h, kv_head, start_m = fwd.query_tile(heads, group, 128, CAUSAL)
+    bh, z, h, kv_head, start_m = common.query_tile(heads, group, 128, CAUSAL)
     row0 = start_m + W * 64
-    n_tiles, full_block = fwd.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)  # the tiles the producer loads
-    full = fwd.key_tiles(row0, n_k, 64, BLOCK_N, CAUSAL)[1]  # of those, the tiles this warpgroup's rows see all of
-    s_layout: gl.constexpr = fwd.mma_layout(4, BLOCK_N)
-    o_layout: gl.constexpr = fwd.mma_layout(4, HEAD_DIM)
+    n_tiles, full_block = common.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)  # the tiles the producer loads
+    full = common.key_tiles(row0, n_k, 64, BLOCK_N, CAUSAL)[1]  # of those, the tiles this warpgroup's rows see all of
+    s_layout: gl.constexpr = common.mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = common.mma_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_smem = q_buf.index(W).reshape([64, HEAD_DIM])
 
-    # -1e6 as the starting max: key 0 is visible to every row and tile 0 comes first (flash_fwd_hopper)
+    # -1e6 as the starting max: key 0 is visible to every row and tile 0 comes first (hopper.forward)
     m_i = gl.full([64], -1.0e6, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
@@ -111,25 +111,25 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
 
     mbarrier.wait(ready.index(0), 0)
     k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s_tok = fwd.dot_nt(q_smem, k0, s_zero, 0)
+    s_tok = common.dot_nt(q_smem, k0, s_zero, 0)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
-        p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
+        p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     else:
-        p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
+        p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     for j in range(1, n_tiles):
-        kj, v_prev, prev = fwd.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
-        s_tok = fwd.dot_nt(q_smem, kj, s_zero, 0)
+        kj, v_prev, prev = common.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        s_tok = common.dot_nt(q_smem, kj, s_zero, 0)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_prev, fwd.rescaled(acc, alpha), is_async=True)
+        o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
-            p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
+            p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = fwd.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
+            p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
         mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1}, V_{j-1} consumed by this warpgroup
@@ -137,10 +137,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_tok = warpgroup_mma(p_op, v_last, fwd.rescaled(acc, alpha), is_async=True)
+    o_tok = warpgroup_mma(p_op, v_last, common.rescaled(acc, alpha), is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
     # this warpgroup's half of Q's buffer stages O for the TMA store (rows past Nq are dropped)
-    q_smem.store(fwd.normalized(acc, l_i).to(dtype))
+    q_smem.store(common.normalized(acc, l_i).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [z, h, row0, 0], q_buf.index(W))
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
@@ -158,7 +158,7 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    k_buf, v_buf, ready = fwd.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    k_buf, v_buf, ready = common.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -173,11 +173,11 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in
     HEAD_DIMS, with TMA strides (`plan.tma_layout_ok`), k and v with H_kv heads dividing H.  ``wrap``:
-    `flash_launch.direct`, or a `flash_replay.Recorder` recording the launch."""
+    `portable.launch.direct`, or a `replay.Recorder` recording the launch."""
     n_q, d = q.shape[-2:]
     if d not in HEAD_DIMS:
         raise ValueError(f"the warp-specialized forward takes head dims {HEAD_DIMS}; got d={d}")
@@ -185,8 +185,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
     block_n, stages = TILES
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
     wrap(flash_fwd_hopper_ws_kernel)[grid](
-        fwd.descriptor(q, ROWS), fwd.descriptor(k, block_n), fwd.descriptor(v, block_n), fwd.descriptor(o, ROWS),
-        lse, fwd.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
+        common.descriptor(q, ROWS), common.descriptor(k, block_n), common.descriptor(v, block_n),
+        common.descriptor(o, ROWS),
+        lse, common.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
         PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
     )

@@ -5,7 +5,7 @@ as z * stride_z + h * stride_h, so a head-major view of a token-major (Z, N, H, 
 copy), or (BH, N, d), taken as Z = 1; L and D are (Z * H, Nq) float32, contiguous.  Grouped-query
 attention: K and V (and dK, dV) may have H / group heads, group = H // H_kv query heads per K/V head.  `wrap` is
 applied to each kernel before launching it: the identity, the autotuner's compile-only stand-in,
-`torch.library.wrap_triton`, or a `flash_replay.Recorder` (an eager call's first launch of its signature).
+`torch.library.wrap_triton`, or a `replay.Recorder` (an eager call's first launch of its signature).
 
 On Hopper the forward and dQ kernels stream K and V through host-side TMA descriptors (`use_tma`); the
 descriptors are built per call, so the registered ops that launch them are opaque operators (torch 2.11's
@@ -26,8 +26,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems import switches
-from cs336_systems.attention.kernels import flash_kernels as kernels
-from cs336_systems.attention.kernels.flash_configs import TileConfig, block_d, d_tiles, fp32_dot, split_opted_in
+from cs336_systems.attention.kernels.portable import kernels
+from cs336_systems.attention.kernels.portable.configs import TileConfig, block_d, d_tiles, fp32_dot, split_opted_in
 
 LOG2E = 1.4426950408889634
 
@@ -58,7 +58,7 @@ def direct(kernel):
 
 
 def precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: for fp32 inputs `flash_configs.fp32_dot` ("tf32x3" by default, "ieee" on
+    """tl.dot's input_precision: for fp32 inputs `configs.fp32_dot` ("tf32x3" by default, "ieee" on
     request; plain TF32 would lose fp32 accuracy); ignored for 16-bit inputs."""
     return fp32_dot() if dtype == torch.float32 else "tf32"
 
@@ -148,7 +148,7 @@ def key_splits(q: torch.Tensor, n_keys: int, cfg: TileConfig, split_head_dim: bo
     to about one program per SM, at most MAX_KEY_SPLITS, and chunks of at least MIN_TILES_PER_SPLIT key
     tiles.  Only on CUDA devices (the interpreter has no SMs; tests pass ``splits`` explicitly).
     ``CS336_FLASH_SPLITS=<n>`` overrides the choice (1: never split; for same-run A/B measurements).
-    ``split_head_dim`` (every kernel opted in to two register tiles, `flash_configs.split_opted_in`): 1 unless
+    ``split_head_dim`` (every kernel opted in to two register tiles, `configs.split_opted_in`): 1 unless
     forced, since the key-split kernel runs the padded tile, which a configuration chosen for the split width
     need not fit.
     """

@@ -42,7 +42,7 @@ ones masked besides ragged last steps.  Keys past Nk are zero-filled by TMA and 
 block (their dK / dV rows are clipped by the stores).  Grouped-query attention: the step loop runs over
 the group's heads in turn, so dK and dV sum over the group without atomics.
 
-Written against Triton 3.6's Gluon API, like flash_fwd_hopper (whose descriptors and layouts it shares); where
+Written against Triton 3.6's Gluon API, like the other Gluon kernels (its descriptors and layouts are `common`'s); where
 it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).
 """
 
@@ -65,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.attention.kernels import flash_fwd_hopper as fwd
-from cs336_systems.attention.kernels.flash_launch import direct
+from cs336_systems.attention.kernels.hopper import common
+from cs336_systems.attention.kernels.portable.launch import direct
 
 HEAD_DIMS = (64, 128)
 BLOCK_N = 128  # keys per program: two consumers of 64
@@ -210,8 +210,8 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     zh = gl.program_id(1)
     z = zh // kv_heads
     kv_head = zh % kv_heads
-    s_layout: gl.constexpr = fwd.mma_layout(4, BLOCK_M)
-    acc_layout: gl.constexpr = fwd.mma_layout(4, HEAD_DIM)
+    s_layout: gl.constexpr = common.mma_layout(4, BLOCK_M)
+    acc_layout: gl.constexpr = common.mma_layout(4, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -224,7 +224,7 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
     DQ_N: gl.constexpr = 64 if BLOCK_M == 128 else HEAD_DIM // 2  # the columns of a consumer's dQ part
-    dq_layout: gl.constexpr = fwd.mma_layout(4, DQ_N)
+    dq_layout: gl.constexpr = common.mma_layout(4, DQ_N)
     dq_zero = gl.zeros([64, DQ_N], gl.float32, layout=dq_layout)
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
@@ -240,8 +240,8 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        s_tok = fwd.dot_nt(k_smem, q_s, s_zero, 0)
-        dp_tok = fwd.dot_nt(v_smem, do_s, s_zero, 0)
+        s_tok = common.dot_nt(k_smem, q_s, s_zero, 0)
+        dp_tok = common.dot_nt(v_smem, do_s, s_zero, 0)
         lse = lse_buf.index(stage).load(col_layout)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_s))[0]
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
@@ -388,10 +388,10 @@ def _accumulator_descriptor(dqa: torch.Tensor, columns: int):
     return TensorDescriptor.from_tensor(dqa, box, gl.NVMMASharedLayout.get_default_for(box, gl.float32))
 
 
-def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
+def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direct) -> None:
     """dq (q's shape, unit stride on d), dk, dv (like k, v; TMA strides) written in place, and delta;
     lse, delta (Z, H, Nq) contiguous float32; dqa (Z, H, Nq, d) contiguous float32 (overwritten).
-    ``wrap``: `flash_launch.direct`, or a `flash_replay.Recorder` recording the three launches."""
+    ``wrap``: `portable.launch.direct`, or a `replay.Recorder` recording the three launches."""
     z, heads, n_q, d = q.shape
     if d not in HEAD_DIMS:
         raise ValueError(f"the fused Hopper backward takes head dims {HEAD_DIMS}; got d={d}")
@@ -402,10 +402,10 @@ def backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=dir
                              do.stride(1), do.stride(2), D=d, BLOCK=64)
     grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
     wrap(flash_bwd_hopper_kernel)[grid](
-        fwd.descriptor(q, block_m), fwd.descriptor(k, BLOCK_N), fwd.descriptor(v, BLOCK_N),
-        fwd.descriptor(do, block_m), fwd.descriptor(dk, 64), fwd.descriptor(dv, 64),
+        common.descriptor(q, block_m), common.descriptor(k, BLOCK_N), common.descriptor(v, BLOCK_N),
+        common.descriptor(do, block_m), common.descriptor(dk, 64), common.descriptor(dv, 64),
         _accumulator_descriptor(dqa, 64 if block_m == 128 else d // 2),
-        lse, delta, 1.0 / math.sqrt(d), fwd.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
+        lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
         heads // kv_heads,
         CAUSAL=causal, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1],
         num_warps=4, maxnreg=MAXNREG,
