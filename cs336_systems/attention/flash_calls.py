@@ -12,6 +12,7 @@ configurations come from `select_configs` (`kernels.portable.autotune.select`).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -31,6 +32,24 @@ try:  # the Hopper kernels need Triton's experimental Gluon API; without it the 
     from cs336_systems.attention.kernels.hopper import forward_ws as hopper_ws
 except ImportError:  # pragma: no cover - depends on the installed Triton
     hopper = hopper_ws = dq_hopper = dkdv_hopper = bwd_hopper = None
+
+
+# per thread: the CUDA device whose primary context this thread has bound (`_bind_context`)
+_bound = threading.local()
+
+
+def _bind_context(device_index: int) -> None:
+    """Bind the device's primary CUDA context to this thread, once per thread and device.
+
+    The Gluon kernels' TMA descriptors are encoded on the host, a driver call that needs a current context,
+    before Triton's launcher binds one itself.  A thread can reach this call with none bound: autograd's
+    device threads (their first CUDA work may be this backward, whose allocations the caching allocator
+    serves without any CUDA call), or a new thread of the caller's.  The encode then fails with "invalid
+    device context".  cudaMemGetInfo is a runtime call, so it binds the context, and it is allowed while a
+    CUDA graph is captured."""
+    if getattr(_bound, "device", None) != device_index:
+        torch.cuda.mem_get_info(device_index)
+        _bound.device = device_index
 
 
 def available(device: torch.device) -> bool:
@@ -64,6 +83,8 @@ def forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: 
     """O and L for (Z, H, N, d) views; ``key`` (eager calls, `flash_replays.replay_key`): replay the launches recorded
     under it, or record them.  The kernel is the plan's (`plan.plan`); launches through ``wrap`` other than
     `direct` (inductor's `wrap_triton`) and ``tma`` 0 take the portable kernel with pointer loads."""
+    if wrap is direct and hopper is not None and q.is_cuda:
+        _bind_context(q.get_device())
     o = torch.empty_like(q)  # q's strides (a token-major view gives a token-major output)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     slots = (q, k, v, o, lse)
@@ -88,6 +109,8 @@ def forward(q, k, v, is_causal: bool, wrap=direct, may_tune: bool = False, tma: 
 def backward(q, k, v, o, lse, do, is_causal: bool, wrap=direct, tma: int | None = None, key: tuple | None = None,
              options: str = ""):
     """dQ, dK, dV; ``key`` and the kernels' choice as in `forward`."""
+    if wrap is direct and hopper is not None and q.is_cuda:
+        _bind_context(q.get_device())
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     slots = (q, k, v, o, lse, do, delta, dq, dk, dv)
