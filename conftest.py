@@ -14,6 +14,11 @@ Options
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
   --compare-any-machine         allow --benchmark-compare across GPUs / versions / switches (warning only)
+  --perf-gate[=strict]          with --benchmark-compare: decide each compared case from its per-round samples
+                                (`cs336_systems.reporting.significance`: regressed, improved, unchanged,
+                                inconclusive; per-group settings in benchmarks.json "regression") and fail
+                                the session on a regression (strict: on an inconclusive case too); the table
+                                is printed and appended to $GITHUB_STEP_SUMMARY when that is set
   --cool-down-s=S               before each GPU perf case wait up to S seconds (default 10; 0: never)
                                 for the GPU to cool to its first case's temperature + 3 deg C
                                 (`cs336_systems.bench.gpu_telemetry`; needs pynvml)
@@ -65,6 +70,7 @@ from cs336_systems.reporting import baseline
 
 COMPARED_KEY = pytest.StashKey[list]()  # the saved runs --benchmark-compare loaded
 COVERAGE_KEY = pytest.StashKey[baseline.Coverage]()  # what --benchmark-compare covered of this run
+GATE_KEY = pytest.StashKey[tuple]()  # --perf-gate: (verdicts, failing verdicts, problems)
 DESELECTED_KEY = pytest.StashKey[set]()  # node ids deselected on purpose (-k, -m, slow tests left out)
 
 # pytester runs the perf wiring (fixture, hooks) in isolated sessions from tests/.
@@ -90,6 +96,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--compare-any-machine", action="store_true",
         help="allow --benchmark-compare against a run from another GPU or software version (warn only)",
     )
+    group.addoption(
+        "--perf-gate", nargs="?", const="regressions", default=None, choices=("regressions", "strict"),
+        help="with --benchmark-compare: the statistical gate (Mann-Whitney U and a minimum effect per group, "
+             "benchmarks.json 'regression'); fails on a regression, with =strict on an inconclusive case too",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -98,6 +109,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running; left out unless --run-slow or -m selects them")
     _leave_out_slow_tests_by_default(config)
     config.stash[COMPARED_KEY] = []
+    if config.getoption("--perf-gate") and not config.getoption("benchmark_compare", None):
+        raise pytest.UsageError("--perf-gate compares against a saved run: give --benchmark-compare (and "
+                                "--benchmark-storage for a committed baseline, e.g. file://results/h100/baselines)")
     _check_benchmark_json(config)
     _check_benchmark_storage(config)
 
@@ -293,8 +307,46 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     covered = baseline.coverage(timed, session.config.stash.get(COMPARED_KEY, []),
                                 session.config.stash.get(DESELECTED_KEY, set()))
     session.config.stash[COVERAGE_KEY] = covered
-    if covered.problems() and session.exitstatus == pytest.ExitCode.OK:
+    failed = bool(covered.problems())
+    mode = session.config.getoption("--perf-gate")
+    if mode:
+        gate = _statistical_gate(bench_session, session.config, strict=mode == "strict")
+        session.config.stash[GATE_KEY] = gate
+        failed = failed or bool(gate[1] or gate[2])
+    if failed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _statistical_gate(bench_session, config: pytest.Config, strict: bool) -> tuple[list, list, list[str]]:
+    """--perf-gate: a verdict per case of this run that the compared baseline has, from both runs' per-round
+    samples; returns (verdicts, the failing ones, problems that fail the gate by themselves)."""
+    from cs336_systems.bench import matrix
+    from cs336_systems.reporting import significance
+
+    saved: dict[str, list] = {}
+    without_samples = []
+    for run in config.stash.get(COMPARED_KEY, []):
+        for record in run.get("benchmarks", []):
+            name = record.get("fullname") or record.get("name", "")
+            data = (record.get("stats") or {}).get("data")
+            if isinstance(data, list) and data:
+                saved[name] = data
+            else:
+                without_samples.append(name)
+    new, groups = {}, {}
+    for bench in bench_session.benchmarks:
+        if bench and bench.stats is not None and getattr(bench.stats, "data", None):
+            new[bench.fullname] = list(bench.stats.data)
+            groups[bench.fullname] = (bench.extra_info or {}).get("group") or ""
+    verdicts = significance.compare(saved, new, groups, matrix.load(matrix.DEFAULT_PATH).gate_settings)
+    problems = []
+    unsampled = sorted(name for name in without_samples if name in new)
+    if unsampled:
+        problems.append(f"the baseline kept no per-round samples for {len(unsampled)} case(s) this run timed (e.g. "
+                        f"{unsampled[0]}): rebuild it with cs336-baseline from runs that kept them")
+    if not verdicts:
+        problems.append("--perf-gate decided no case: the baseline has none of this run's cases with samples")
+    return verdicts, significance.failures(verdicts, strict), problems
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -302,6 +354,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if left_out:
         terminalreporter.write_line(f"{left_out} test{'s' * (left_out != 1)} marked slow left out: --run-slow runs "
                                     "them too, -m slow only them")
+    gate = config.stash.get(GATE_KEY, None)
+    if gate is not None:
+        _report_gate(terminalreporter, config, *gate)
     covered = config.stash.get(COVERAGE_KEY, None)
     if covered is None:
         return
@@ -317,3 +372,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section(f"--benchmark-compare: {len(covered.not_run)} baseline case(s) did not run")
         for name in covered.not_run:
             terminalreporter.line(f"did not run: {name}")
+
+
+def _report_gate(terminalreporter, config: pytest.Config, verdicts: list, failing: list, problems: list[str]) -> None:
+    """The --perf-gate table on the terminal, and appended to $GITHUB_STEP_SUMMARY (a CI job's summary page)."""
+    from cs336_systems.reporting import significance
+
+    strict = config.getoption("--perf-gate") == "strict"
+    title = (f"--perf-gate: {'FAILED' if failing or problems else 'passed'} "
+             f"({'regressions and inconclusive cases fail' if strict else 'regressions fail'})")
+    lines = [*problems, significance.summary(verdicts)]
+    if verdicts:
+        lines += ["", significance.table(verdicts)]
+    terminalreporter.section(title, red=bool(failing or problems), green=not (failing or problems))
+    for line in lines:
+        terminalreporter.line(line)
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary_file:
+        try:
+            with open(summary_file, "a") as out:
+                out.write(f"### {title}\n\n" + "\n".join(lines) + "\n\n")
+        except OSError as exc:
+            terminalreporter.line(f"--perf-gate: could not append to GITHUB_STEP_SUMMARY {summary_file}: {exc}")

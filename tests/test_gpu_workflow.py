@@ -7,6 +7,7 @@ imports it uses, and the report job's artifacts.  Read with PyYAML, each job exp
 from __future__ import annotations
 
 import ast
+import json
 import contextlib
 import fnmatch
 import functools
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from cs336_systems.bench import matrix
+from cs336_systems.bench import affected, matrix
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "perf-gpu.yml"
@@ -54,7 +55,7 @@ def test_actionlint_accepts_the_workflow(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-BREAKAGES = [("matrix.groups }}", "matrix.grup }}", "[expression]"), ("timeout-minutes:", "timeout:", "[syntax-check]")]
+BREAKAGES = [("needs.plan.outputs.single)", "needs.plan.outputs.singel)", "[expression]"), ("timeout-minutes:", "timeout:", "[syntax-check]")]
 
 
 @pytest.mark.parametrize(("old", "new", "rule"), BREAKAGES)
@@ -78,9 +79,19 @@ class Job:  # one job with one combination of its matrix
         return [s["with"] for s in self.steps if s.get("uses", "").startswith("actions/upload-artifact@")]
 
 
+PLAN_OUTPUT = re.compile(r"\$\{\{\s*fromJSON\(needs\.plan\.outputs\.(\w+)\)\s*\}\}")
+
+
+def planned(value):
+    """A matrix value the plan job fills (``${{ fromJSON(needs.plan.outputs.X) }}``): the planner's output
+    for the nightly run, every job; other values as they are."""
+    match = PLAN_OUTPUT.fullmatch(str(value))
+    return affected.plan(None)[match[1]] if match else value
+
+
 def combinations(spec: dict) -> list[dict]:
     """The product of the matrix axes, or the include list (what this workflow uses; refuse the rest)."""
-    axes = dict((spec.get("strategy") or {}).get("matrix") or {})
+    axes = {key: planned(value) for key, value in ((spec.get("strategy") or {}).get("matrix") or {}).items()}
     include = axes.pop("include", [])
     assert not (axes and include) and "exclude" not in axes, "extend combinations() for this matrix"
     return include or [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
@@ -273,3 +284,65 @@ def test_report_job_merges_every_perf_artifact_and_only_those():
     # Several artifacts download to <path>/<artifact name>/ unless merge-multiple is set.
     wanted = f"{download['path'].rstrip('/')}/*/*.json"
     assert not download.get("merge-multiple") and wanted in "".join(s["run"] for s in report.steps), wanted
+
+
+# --- triggers and the plan -------------------------------------------------------------------------------
+
+GATED_PATHS = ["cs336_systems/**", "perf/**", "benchmarks.json", "pyproject.toml", "conftest.py",
+               ".github/workflows/perf-gpu.yml"]
+
+
+def test_library_changes_are_gated_on_pull_requests_and_pushes():
+    triggers = yaml.safe_load(WORKFLOW.read_text())[True]  # PyYAML reads the key `on` as True
+    assert triggers["pull_request"]["paths"] == GATED_PATHS
+    assert triggers["push"] == {"branches": ["main"], "paths": GATED_PATHS}
+    assert "schedule" in triggers and "workflow_dispatch" in triggers
+    for path in ("cs336_systems/attention/kernels/hopper/backward.py", "cs336_systems/model.py", "perf/test_e2e.py",
+                 "benchmarks.json", "pyproject.toml"):
+        assert any(fnmatch.fnmatch(path, pattern) for pattern in GATED_PATHS), path
+
+
+def test_the_plan_job_feeds_the_perf_matrices_and_perf_runs_use_the_statistical_gate():
+    workflow = yaml.safe_load(WORKFLOW.read_text())["jobs"]
+    assert workflow["plan"]["runs-on"] == "ubuntu-latest"
+    assert "head.repo.full_name == github.repository" in workflow["plan"]["if"]
+    assert workflow["perf"]["strategy"]["matrix"]["group"] == "${{ fromJSON(needs.plan.outputs.single) }}"
+    assert workflow["perf-multi-gpu"]["strategy"]["matrix"]["include"] == "${{ fromJSON(needs.plan.outputs.multi) }}"
+    for run in perf_runs():
+        arrays = [shlex.split(body) for step in run.job.steps for body in re.findall(r"compare=\(([^)]*)\)", step["run"])]
+        assert ["--benchmark-compare", "--perf-gate"] in arrays, run.job.id
+
+
+@pytest.mark.parametrize("changed, single, multi", [
+    (["cs336_systems/attention/kernels/hopper/backward.py"], {"leaderboard", "flash-bf16-graph", "e2e-flash-attention"},
+     set()),
+    (["cs336_systems/parallel/ddp.py"], set(), {"data-parallel-bf16", "data-parallel-fp32", "allreduce-nccl"}),
+    (["cs336_systems/optim/adamw_master.py"], {"e2e-hf", "e2e-2.7B"}, set()),
+    (["docs/flash-attention.md", "README.md", "results/h200/leaderboard.json", "tests/test_model.py"], set(), set()),
+    (["cs336_systems/reporting/significance.py"], {"leaderboard"}, set()),
+])
+def test_the_plan_maps_changed_paths_to_the_groups_they_can_move(changed, single, multi):
+    chosen = affected.plan(changed)
+    assert single <= set(chosen["single"]) and (single or not chosen["single"]), chosen
+    assert {job["name"] for job in chosen["multi"]} >= multi and (multi or not chosen["multi"]), chosen
+    if "cs336_systems/attention/kernels/hopper/backward.py" in changed:
+        assert not {"e2e-hf", "warmup", "checkpointing-xl"} & set(chosen["single"])  # not what attention moves
+
+
+def test_an_unmapped_library_path_and_the_suite_itself_run_everything():
+    everything = affected.plan(None)
+    for path in ("cs336_systems/new_module.py", "perf/conftest.py", "benchmarks.json", "conftest.py"):
+        assert affected.plan([path])["single"] == everything["single"], path
+        assert affected.plan([path])["multi"] == everything["multi"], path
+    # every single-GPU group of the gpu profile is planned on the nightly run, as the perf matrix needs
+    bench = matrix.load(ROOT / "benchmarks.json")
+    singles = {c.get("group") for suite in bench.suites if suite not in affected.MULTI_GPU_SUITES
+               for c in bench.cases(suite, "gpu")}
+    assert set(everything["single"]) == singles
+
+
+def test_the_planner_runs_with_the_standard_library_alone():
+    result = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "cs336_systems" / "bench" / "affected.py"),
+                             "cs336_systems/parallel/fsdp.py"], capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert [job["name"] for job in json.loads(result.stdout)["multi"]][:1] == ["allreduce-nccl"]

@@ -13,7 +13,11 @@ Layout::
           }
         }
       },
-      "gates": [ ... ]                     # regression gates (ratio checks), filled by later suites
+      "gates": [ ... ],                    # in-run ratio gates (`reporting.gates`)
+      "regression": {                      # the statistical gate against a baseline (`reporting.significance`)
+        "default": {"min_effect": 0.05, "alpha": 0.002},
+        "groups": {"<group>": {"min_effect": 0.10}}   # overrides per perf group
+      }
     }
 
 A grid maps axis names to lists of values (``"sizes": ["small", "xl"]``) and settings to scalars
@@ -44,6 +48,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -547,12 +552,57 @@ def _validate_gate(gate: object, where: str, suites: dict[str, dict[str, list[di
 
 
 @dataclass(frozen=True)
+class GateSettings:
+    """The statistical gate's settings for one perf group (`reporting.significance`): ``min_effect``, the
+    smallest relative change of a case's median that counts (0.05: 5%), and ``alpha``, the significance
+    level of the Mann-Whitney test."""
+
+    min_effect: float = 0.05
+    alpha: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name, high in (("min_effect", 1.0), ("alpha", 0.5)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < high:
+                raise MatrixError(f"{name} must be a number in (0, {high:g}), got {value!r}")
+
+
+def _validate_regression(body: object, groups: set[str]) -> tuple[GateSettings, dict[str, GateSettings]]:
+    """benchmarks.json "regression": the default settings and per-group overrides, each group one that a grid
+    names (a typo would otherwise leave its group on the default in silence)."""
+    body = _check_keys(body, "regression", {"default", "groups", "$comment"}, set())
+
+    def settings(obj: object, where: str, base: GateSettings) -> GateSettings:
+        obj = _check_keys(obj, where, {"min_effect", "alpha", "$comment"}, set())
+        try:
+            return GateSettings(obj.get("min_effect", base.min_effect), obj.get("alpha", base.alpha))
+        except MatrixError as exc:
+            raise MatrixError(f"{where}: {exc}") from None
+
+    default = settings(body.get("default", {}), "regression.default", GateSettings())
+    named = body.get("groups", {})
+    if not isinstance(named, dict):
+        raise MatrixError("regression.groups: expected an object of group -> settings")
+    for group in named:
+        if group not in groups:
+            raise MatrixError(f"regression.groups.{group}: no grid has group {group!r}; groups: "
+                              f"{', '.join(sorted(groups))}")
+    return default, {group: settings(obj, f"regression.groups.{group}", default) for group, obj in named.items()}
+
+
+@dataclass(frozen=True)
 class Matrix:
-    """The validated matrix: suite -> profile -> grids, plus gates."""
+    """The validated matrix: suite -> profile -> grids, plus gates and the statistical gate's settings."""
 
     suites: dict[str, dict[str, list[dict]]]
     descriptions: dict[str, str]
     gates: list[dict]
+    regression_default: GateSettings = GateSettings()
+    regression_groups: dict[str, GateSettings] = dataclasses.field(default_factory=dict)
+
+    def gate_settings(self, group: str) -> GateSettings:
+        """The statistical gate's settings for a perf group: its override, else the default."""
+        return self.regression_groups.get(group, self.regression_default)
 
     def cases(self, suite: str, profile: str, groups: set[str] | None = None) -> list[dict]:
         """Expanded cases of a suite under a profile: one dict per case, singular field names.
@@ -617,7 +667,7 @@ def _check_unique_ids(grids: list[dict], where: str) -> None:
 
 def parse(data: object) -> Matrix:
     """Validate the decoded JSON of benchmarks.json."""
-    data = _check_keys(data, "benchmarks.json", {"suites", "gates", "$comment"}, {"suites"})
+    data = _check_keys(data, "benchmarks.json", {"suites", "gates", "regression", "$comment"}, {"suites"})
     if not isinstance(data["suites"], dict):
         raise MatrixError("suites: expected an object")
     suites, descriptions = {}, {}
@@ -640,7 +690,10 @@ def parse(data: object) -> Matrix:
     gates = data.get("gates", [])
     if not isinstance(gates, list):
         raise MatrixError("gates: expected a list")
-    return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]", suites) for i, g in enumerate(gates)])
+    all_groups = {grid["group"] for profiles in suites.values() for grids in profiles.values() for grid in grids}
+    default, per_group = _validate_regression(data.get("regression", {}), all_groups)
+    return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]", suites) for i, g in enumerate(gates)],
+                  default, per_group)
 
 
 class _DuplicateKey(Exception):

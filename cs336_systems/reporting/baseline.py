@@ -24,7 +24,9 @@ What a baseline guarantees.  Merging refuses:
 * an interrupted run (selected cases it did not time: ``perf_not_timed``), a case without statistics, and
   statistics that are not finite numbers >= 0.
 
-The baseline records the groups it covers (``cs336_groups``: the groups its runs' timed and OOM cases
+Each case keeps its per-round times (``stats.data``, rounded to four significant digits) where its run kept
+them: the statistical gate (``--perf-gate``, `reporting.significance`) tests them.  The baseline records the
+groups it covers (``cs336_groups``: the groups its runs' timed and OOM cases
 name), the runs it was merged from (``cs336_sources``: file, commit, dirty, groups) and each case's run
 (``cs336_case_sources``).  A comparison then fails when it compared no case, when the run has cases of a
 group the baseline does not cover, or when it timed cases of a covered group that the baseline lacks (the
@@ -57,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cs336_systems.bench import machine, matrix
+from cs336_systems.reporting import significance
 from cs336_systems.reporting.run_files import check_stats, read_run
 from cs336_systems.reporting.tables import commit_label
 
@@ -133,7 +136,7 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None, later_wins: b
                          "groups, or pass --later-wins to keep each case from the last file that has it")
     skip = ("benchmarks", "oom", "perf_groups", "perf_not_timed")
     out = {key: value for key, value in first.items() if key not in skip}
-    out["benchmarks"] = [record for kind, record in merged.values() if kind == "benchmarks"]
+    out["benchmarks"] = [_rounded_samples(record) for kind, record in merged.values() if kind == "benchmarks"]
     out["oom"] = [record for kind, record in merged.values() if kind == "oom"]
     out["cs336_groups"] = sorted({g for run in runs for g in run_groups(run)})
     out["cs336_case_sources"] = {name: Path(origin[name]).name for name in merged}
@@ -142,6 +145,15 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None, later_wins: b
          "dirty": bool((run.get("commit_info") or {}).get("dirty")), "groups": run_groups(run)}
         for run, source in zip(runs, sources)]
     return out
+
+
+def _rounded_samples(record: dict) -> dict:
+    """The record with its per-round times (``stats.data``, what the statistical gate tests) kept to four
+    significant digits, or as it is when the run dropped them."""
+    stats = record.get("stats") or {}
+    if not isinstance(stats.get("data"), list):
+        return record
+    return {**record, "stats": {**stats, "data": significance.rounded(stats["data"])}}
 
 
 def dropped(old: dict, new: dict) -> tuple[list[str], list[str]]:

@@ -1,7 +1,9 @@
 """Two saved runs side by side: ``python -m cs336_systems.report --compare OLD.json NEW.json``.
 
 Cases are paired by pytest node id (``fullname``): old and new median, delta % = (new - old) / old,
-flagged beyond the threshold, and the cases found in one run only.  Runs whose machine facts differ in
+flagged beyond the threshold, and the cases found in one run only.  Where both runs kept a case's per-round
+times (``stats.data``), the statistical gate's verdict follows (`significance`: regressed, improved,
+unchanged or inconclusive, with the ratio's interval and the p-values).  Runs whose machine facts differ in
 machine.COMPARABLE_FIELDS are refused (`IncomparableRuns`) unless ``any_machine``: absolute times do not
 transfer between machines.  The report names each run's commit, marked "(dirty)" (with a warning) for a
 run saved from a work tree with uncommitted changes, whose times cannot be traced to code.
@@ -34,7 +36,8 @@ def load_cases(path: str | Path) -> tuple[dict, dict[str, dict]]:
     for bench in data.get("benchmarks", []):
         key = bench.get("fullname") or bench.get("name", "")
         cases[key] = {"name": bench.get("name", key), "status": bench.get("extra_info", {}).get("status", "ok"),
-                      "median_s": bench.get("stats", {}).get("median")}
+                      "median_s": bench.get("stats", {}).get("median"), "samples": bench.get("stats", {}).get("data"),
+                      "group": bench.get("extra_info", {}).get("group") or ""}
     for oom in data.get("oom", []):
         key = oom.get("fullname") or oom.get("name", "")
         cases[key] = {"name": oom.get("name", key), "status": "oom", "median_s": None}
@@ -95,6 +98,18 @@ def compare_runs(old: str | Path, new: str | Path, threshold: float = COMPARE_TH
               f"{flagged['faster']} faster. Delta = (new − old) ÷ old median.", ""]
     if rows:
         lines += [md_table(["case", "old median", "new median", "delta", f"beyond ±{threshold:g}%"], rows), ""]
+    sampled = [key for key in paired if old_cases[key]["samples"] and new_cases[key]["samples"]
+               and old_cases[key]["status"] == new_cases[key]["status"] == "ok"]
+    if sampled:  # both runs kept their per-round times: the statistical gate's verdicts too
+        from cs336_systems.bench import matrix
+        from cs336_systems.reporting import significance
+
+        verdicts = significance.compare({k: old_cases[k]["samples"] for k in sampled},
+                                        {k: new_cases[k]["samples"] for k in sampled},
+                                        {k: new_cases[k]["group"] for k in sampled},
+                                        matrix.load(matrix.DEFAULT_PATH).gate_settings)
+        lines += ["## Statistical verdicts (per-round samples; benchmarks.json \"regression\")", "",
+                  significance.summary(verdicts), "", significance.table(verdicts), ""]
     for title, only in (("Only in the old run", [k for k in old_cases if k not in new_cases]),
                         ("Only in the new run", [k for k in new_cases if k not in old_cases])):
         if only:

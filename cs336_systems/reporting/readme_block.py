@@ -2,8 +2,10 @@
 
 Rewrites the block between ``<!-- results:start -->`` and ``<!-- results:end -->`` in the README's
 "## Results" section from the committed runs listed in `README_RESULTS`: the H100 end-to-end headline and
-attention leaderboard, the 2xH200 all-reduce and data-parallel summaries, each with device, versions and
-date, and the sections' plots.  Everything outside the markers is left as it is; running it twice changes
+attention leaderboard, and the sections' plots, each with device, versions, date and commit.  Only runs
+saved at a clean commit go in: a run from a work tree with uncommitted changes, or one that records no
+commit, cannot be traced to code, and is refused (`UntraceableRun`).  `data_parallel_readme` renders the
+multi-GPU groups' runs as a section, for when such runs are at clean commits.  Everything outside the markers is left as it is; running it twice changes
 nothing.  The tables reuse cs336_systems.reporting.render's formatting helpers.
 """
 
@@ -195,10 +197,6 @@ def _flash_plot_specs(entries, machines):
     return plots.flash_plots(entries, machines)
 
 
-# bf16: the run on a quiet host (later bf16 runs had a noisy host, results/h200x2/README.md); fp32: the DDP and
-# sharding variants in one pytest run, with the current code (AVG all-reduce, event-timed finish).
-_DP_RUNS = ("results/h200x2/ddp-bf16.json", "results/h200x2/sharding-bf16.json",
-            "results/h200x2/dp-fp32.json")
 README_RESULTS = (
     ResultsSection("H100: end-to-end headline",
                    ("results/h100/e2e-2.7B.json", "results/h100/e2e-compiled.json"), headline_table),
@@ -207,8 +205,19 @@ README_RESULTS = (
     ResultsSection("H100: attention TFLOP/s vs sequence length",
                    ("results/h100/flash-bf16-graph.json",),
                    None, "results/h100/plots", _flash_plot_specs),
-    ResultsSection("2×H200: data parallel and sharding", _DP_RUNS, data_parallel_readme),
 )
+
+
+class UntraceableRun(ValueError):
+    """A run for the README saved from a dirty work tree or without a commit."""
+
+
+def _check_traceable(path: Path, section: str) -> None:
+    info = json.loads(path.read_text()).get("commit_info") or {}
+    if not info.get("id") or info.get("dirty"):
+        why = "from a work tree with uncommitted changes" if info.get("id") else "without a commit"
+        raise UntraceableRun(f"README results section {section!r}: {path} was saved {why}, so its numbers cannot "
+                             "be traced to code; re-measure it at a clean commit")
 
 
 def provenance(paths: list[Path], root: Path) -> str:
@@ -248,6 +257,8 @@ def readme_block(root: str | Path, sections: tuple[ResultsSection, ...] = README
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"README results section {section.title!r}: missing runs {missing}")
+        for path in paths:
+            _check_traceable(path, section.title)
         entries, machines = load_runs(paths)
         body = [f"### {section.title}", provenance(paths, root)]
         if section.table is not None:

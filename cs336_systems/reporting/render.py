@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from cs336_systems.reporting.plots import (
         MissingPlotExtra,  # the module itself needs no matplotlib
     )
-    from cs336_systems.reporting.readme_block import ReadmeMarkersError, update_readme
+    from cs336_systems.reporting.readme_block import ReadmeMarkersError, UntraceableRun, update_readme
 
     try:
         if args.readme is not None:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = Path(args.output).parent if args.output else Path.cwd()
             text = render(args.runs, plots_dir=args.plots, link_base=base, any_machine=args.any_machine)
-    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, OSError,
+    except (IncomparableRuns, MissingPlotExtra, ReadmeMarkersError, RunFileError, UntraceableRun, OSError,
             UnicodeDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -31,11 +31,19 @@ STAT_FIELDS = ("min", "max", "mean", "median", "stddev", "iqr", "q1", "q3")
 
 
 def check_stats(source: str | Path, name: str, stats: object) -> None:
-    """A timed case's statistics: an object with a median, and every statistic it has a finite number >= 0;
-    else RunFileError naming the file and the case (a table would show nan, a comparison crash or pass)."""
+    """A timed case's statistics: an object with a median, every statistic it has a finite number >= 0 and its
+    per-round times (``data``), where kept, a list of such numbers; else RunFileError naming the file and the case (a table would show nan, a comparison crash or pass)."""
     if not isinstance(stats, dict) or "median" not in stats:
         raise RunFileError(f"{source}: case {name} has no statistics (expected stats.median)")
     for field in STAT_FIELDS:
         value = stats.get(field, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if not _time(value):
             raise RunFileError(f"{source}: case {name}: stats.{field} is {value!r}, not a finite number >= 0")
+    samples = stats.get("data")
+    if samples is not None and not (isinstance(samples, list) and all(map(_time, samples))):
+        raise RunFileError(f"{source}: case {name}: stats.data (the per-round times) is not a list of finite "
+                           "numbers >= 0")
+
+
+def _time(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0

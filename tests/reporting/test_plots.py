@@ -107,6 +107,7 @@ def _cpu_run(tmp_path):
                 _attention("naive", 1024, 16, "backward", memory_before_backward_gib=4.0))]
     path = tmp_path / "perf-cpu.json"
     path.write_text(json.dumps({"machine_info": {"cs336_systems": CPU}, "datetime": "2026-11-21T10:00:00+00:00",
+                                "commit_info": {"id": "15751cf5d3" + "0" * 30, "dirty": False},
                                 "benchmarks": benchmarks, "oom": oom}))
     return path
 

@@ -677,6 +677,7 @@ def _readme_runs(tmp_path):
 
     def save(name, benchmarks, stamp):
         (runs / name).write_text(json.dumps({"machine_info": {"cs336_systems": h100}, "datetime": stamp,
+                                             "commit_info": {"id": "15751cf5d3" + "0" * 30, "dirty": False},
                                              "benchmarks": benchmarks, "oom": []}))
 
     def e2e(mode, compiled, median_s, mfu, tflops, context=512):
@@ -719,7 +720,7 @@ def test_readme_block_replaced_in_place_and_idempotent(tmp_path):
     assert "stale" not in block
     assert ("Device: NVIDIA H100 80GB HBM3 ×1, driver 580; CUDA 13.0, torch 2.11.0, triton 3.6.0, cuDNN 91900. "
             "Date: 2026-11-21 (12:42–12:43 UTC). Runs: [`results/gpu/eager.json`](results/gpu/eager.json) (commit "
-            "unknown), [`results/gpu/compiled.json`](results/gpu/compiled.json) (commit unknown).") in block
+            "15751cf5d3), [`results/gpu/compiled.json`](results/gpu/compiled.json) (commit 15751cf5d3).") in block
     # headline: the 2.7B ctx-512 case only (the ctx-128 one is not it); 120 / 150 = 0.80 across two runs
     assert "| forward | 40.00 | 345 | 35.0% | - | - | - | - |" in block
     assert "| train-step | 150.00 | 272 | 27.5% | 120.00 | 333 | 33.6% | 0.80† |" in block
@@ -730,6 +731,29 @@ def test_readme_block_replaced_in_place_and_idempotent(tmp_path):
     assert readme_results.update_readme(readme, sections) is False
     assert readme.read_text() == text
     assert report.main(["--readme", str(tmp_path / "no-such-readme.md")]) == 2
+
+
+@pytest.mark.parametrize("commit_info, why", [({"id": "15751cf5d3" + "0" * 30, "dirty": True}, "uncommitted changes"),
+                                              (None, "without a commit")])
+def test_readme_refuses_runs_that_cannot_be_traced_to_code(tmp_path, commit_info, why):
+    sections = _readme_runs(tmp_path)
+    board = tmp_path / "results" / "gpu" / "board.json"
+    data = json.loads(board.read_text())
+    data["commit_info"] = commit_info
+    board.write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    with pytest.raises(readme_results.UntraceableRun, match=f"'Leaderboard'.*board.json was saved .*{why}"):
+        readme_results.update_readme(readme, sections)
+    assert readme.read_text() == README
+
+
+def test_the_committed_readme_block_comes_from_clean_commits():
+    root = Path(__file__).resolve().parents[2]
+    for section in readme_results.README_RESULTS:
+        for run in section.runs:
+            info = json.loads((root / run).read_text()).get("commit_info") or {}
+            assert info.get("id") and not info.get("dirty"), (section.title, run)
 
 
 def test_readme_markers_missing_misplaced_or_duplicated_fail_clearly(tmp_path, capsys):
