@@ -153,6 +153,34 @@ def test_a_wrong_gradient_tail_fails_the_accuracy_check(grad):
         attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode="forward-backward", dtype="bf16")
 
 
+@pytest.mark.parametrize("grad", ["dq", "dk", "dv"])
+def test_a_single_zeroed_gradient_row_fails_the_accuracy_check(grad):
+    """The last row alone zeroed at N 4096, bf16, causal: the last key's dK and dV rows are ~1e-4 of the
+    tensors' largest, inside the floors of the per-row rule; a row of exact zeros is caught anyway."""
+
+    def fn(q, k, v, is_causal=False):
+        inputs = {"dq": q * 1, "dk": k * 1, "dv": v * 1}
+        inputs[grad].register_hook(lambda g: torch.cat([g[..., :-1, :], g[..., -1:, :] * 0], dim=-2))
+        return attention.get("naive").fn(inputs["dq"], inputs["dk"], inputs["dv"], is_causal=is_causal)
+
+    q, k, v, do = attention_workloads.random_inputs((1, 4096, 64), torch.bfloat16, torch.device("cpu"), requires_grad=True)
+    with pytest.raises(AccuracyError, match=rf"{grad} row 4095 of 4096 \(batch\*head 0\) is all zeros"):
+        attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode="forward-backward", dtype="bf16")
+
+
+def test_zeroed_rows_spare_rows_whose_reference_is_zero_or_below_the_dtypes_range():
+    ref = torch.tensor([[[1.0, -2.0], [1e-17, 0.0], [0.0, 0.0], [3e-5, 1e-5], [1e-7, 0.0]]], dtype=torch.float64)
+    x = torch.tensor([[[1.0, -2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
+    # row 1: float64 noise of an exact zero; row 2: zero; row 3: 1.5e-5 of the largest, dropped; row 4: 5e-8
+    # of the largest, below the floor
+    for dtype in ("bf16", "fp16", "fp32"):
+        assert attention_workloads.zeroed_rows(x, ref, dtype).tolist() == [False, False, False, True, False]
+    # a small tensor: 5e-7 is above the floor, and below fp16's TINY (where it may underflow to zero)
+    ref, x = torch.tensor([[[1e-3, 0.0], [5e-7, 0.0]]], dtype=torch.float64), torch.tensor([[[1e-3, 0.0], [0.0, 0.0]]])
+    assert attention_workloads.zeroed_rows(x, ref, "bf16").tolist() == [False, True]
+    assert attention_workloads.zeroed_rows(x, ref, "fp16").tolist() == [False, False]
+
+
 # naive-compiled compiles each case anew (5-10 s on a CPU): without the mask it runs the same graph less one
 # masked_fill, so those three cases are marked slow (CI runs them); every dtype keeps its masked case.
 @pytest.mark.parametrize("causal, dtype, impl", [

@@ -41,7 +41,9 @@ side), not the row alone: a gradient row can be much smaller than the terms it s
 sees a few keys, where dP - D nearly cancels), and there a fused kernel, whose D = rowsum(O * dO) uses
 the rounded O, is off by a larger share of the row than the naive computation on the same row, which can
 be exact by luck.  For the same reason the naive baseline is its worst row over the tensor, not the same
-row.  A row the implementation computes as NaN or inf always fails.  On top of the per-row rule, the
+row.  A row the implementation computes as NaN or inf always fails, and so does a row of exact zeros
+where the reference's is above 1e-6 of the tensor's largest (`zeroed_rows`: a dropped row that the floors
+would let through when it is small, as the last key's dK and dV rows of a causal case are).  On top of the per-row rule, the
 earlier whole-tensor bound max|x - ref| / max|ref| <= TOLERANCE[dtype] still applies (it never fails a
 correct implementation and bounds the case where the naive computation itself is far off).  A wrong
 implementation raises `AccuracyError` (an AssertionError: the case fails, nothing is timed).
@@ -104,6 +106,14 @@ FLOOR = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}
 ABS_FLOOR = {"fp32": 1e-5, "bf16": 1e-4, "fp16": 5e-5}
 ROW_WINDOW = 8  # a row's scale is the largest |ref| of the rows within this many rows of it (same slice)
 ROW_SCALE_FLOOR = 1e-3  # ... and at least this fraction of the tensor's largest |ref|
+# A zeroed row: every entry of x's row exactly 0 where the reference row's largest |value| is above
+# ZERO_ROW_FLOOR of the tensor's largest and above TINY (where fp16 still has subnormals).  The floors above
+# let such a row through when it is small next to the tensor (the last key's dK and dV rows of a causal
+# case are ~1e-4 of the tensor's largest); a correct kernel rounds a row, it never returns a clean zero row
+# for a reference that large (a float64 reference of an exactly-zero row, such as dQ with one key, is
+# ~1e-16 of the tensor).
+ZERO_ROW_FLOOR = 1e-6
+TINY = {"fp32": 1e-30, "bf16": 1e-30, "fp16": 1e-6}
 REFERENCE_DTYPE = torch.float64
 
 # Scores of one block of query rows in a reference pass; a block lives as ~4 such tensors (scores,
@@ -294,6 +304,16 @@ def row_errors(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)
 
 
+def zeroed_rows(x: torch.Tensor, ref: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Per row of the (..., N, d) tensors, flattened to (rows,): whether x's row is all zeros where the
+    reference row is not (`ZERO_ROW_FLOOR`, `TINY`): a dropped row of any size."""
+    d = ref.shape[-1]
+    ref_max = ref.abs().reshape(-1, d).amax(dim=-1)
+    x_zero = (x.reshape(-1, d) == 0).all(dim=-1)
+    top = float(ref_max.max()) if ref_max.numel() else 0.0
+    return x_zero & (ref_max > max(ZERO_ROW_FLOOR * top, TINY[dtype]))
+
+
 def row_scales(ref: torch.Tensor, fallback: float = 1.0) -> tuple[torch.Tensor, float]:
     """(scale_r per row (rows,), M): the largest |ref| of the rows within ROW_WINDOW of each row of the
     (..., N, d) reference (within its batch*head slice), at least ROW_SCALE_FLOOR * M, with M the tensor's
@@ -370,6 +390,14 @@ def check_accuracy(
         worst_rows[key] = (row // ref.shape[-2], row % ref.shape[-2], ref.shape[-2], float(err[row]),
                            float(allowance[row]), naive_worst)
         del err, allowance, ratio
+    for key, ref in expected.items():
+        lost = zeroed_rows(results[key], ref, dtype) if ref.numel() else torch.zeros(0, dtype=torch.bool)
+        if bool(lost.any()):
+            row = int(lost.nonzero()[0])
+            raise AccuracyError(
+                f"{impl} ({mode}, {dtype}, shape {tuple(q.shape)}, causal={causal}) is less accurate than allowed: "
+                f"{key} row {row % ref.shape[-2]} of {ref.shape[-2]} (batch*head {row // ref.shape[-2]}) is all "
+                f"zeros where the float64 reference's is not ({int(lost.sum())} such row(s)): a dropped row")
     worst = max(ratios, key=ratios.get)
     worst_global = max(errors, key=errors.get)
     tolerance = TOLERANCE[dtype]
