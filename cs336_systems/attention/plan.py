@@ -448,12 +448,12 @@ def portable_configs(p: Problem, device: Device) -> tuple[dict, str]:
     if device.index is not None:
         chosen = flash_autotune.select(bh, p.n_q, p.n_k, p.head_dim, p.dtype, p.causal,
                                        torch.device("cuda", device.index))
-        return chosen, "flash_autotune.select: autotune cache, else the tuned sm_90 table, else the default rule"
+        return chosen, "kernels.portable.autotune.select: autotune cache, else the tuned sm_90 table, else the default rule"
     key = flash_configs.ShapeKey.of(bh, p.n_q, p.n_k, p.head_dim, p.dtype, p.causal)
     tuned = flash_configs.tuned_sm90(key) if device.capability == 9 else None
     if tuned is not None:
-        return tuned, "the tuned sm_90 table (flash_configs.TUNED_SM90)"
-    return flash_configs.default_config(key), "the default rule (flash_configs.default_config)"
+        return tuned, "the tuned sm_90 table (kernels.portable.configs.TUNED_SM90)"
+    return flash_configs.default_config(key), "the default rule (kernels.portable.configs.default_config)"
 
 
 def explain(problem: Problem, device: Device, options: FlashOptions = DEFAULT_OPTIONS) -> str:
