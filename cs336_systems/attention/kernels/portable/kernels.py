@@ -615,3 +615,8 @@ def flash_bwd_dq_kernel(
     if BLOCK_D2 > 0:
         _store(dq_ptrs + offs_d2[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty), rows[:, None],
                offs_d2[None, :] < HEAD_DIM, BLOCK_D + BLOCK_D2 > HEAD_DIM)
+
+
+# The tile loops and masked tile I/O, under public names for the packed-sequence kernels (`varlen`), which run
+# them on one sequence's rows as the kernels above run them on one (batch, head) slice.
+load_tile, store_tile, fwd_tile, dq_tile, dkdv_tile = _load, _store, _fwd_tile, _dq_tile, _dkdv_tile
