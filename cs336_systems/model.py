@@ -33,6 +33,12 @@ Validation (ValueError naming the argument and its value):
     poisons the CUDA context.  Set ``model.check_token_range = False`` to skip it (e.g. a training loop
     that feeds a new, already validated batch every step and wants no synchronization).
 
+Packed documents: ``model(tokens, packing=Packing.of(lengths, device))`` with tokens (1, total) runs several
+documents in one row: positions restart at each document's first token (RoPE) and attention stays within
+each document (`flash_attention_varlen`, so attention="flash-triton"), so each document's logits are what it
+alone would give.  The loss should skip each document's last target, the next document's first token
+(`Packing.target_mask`).
+
 Activation checkpointing: ``ModelConfig.checkpoint`` ("none", "every-<k>", "sqrt"; e.g.
 ``build("xl", checkpoint="sqrt")``) selects which runs of consecutive blocks are recomputed in backward instead
 of keeping their activations (`cs336_systems.checkpointing`).  It changes memory and time, never the values or
@@ -53,6 +59,41 @@ from torch import nn
 
 from cs336_systems import attention as attention_registry
 from cs336_systems.checkpointing import CheckpointPolicy, run_blocks
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Documents packed into one row of tokens: ``cu_seqlens`` (D + 1,) int32 offsets on the tokens' device
+    (document i is tokens cu_seqlens[i] .. cu_seqlens[i + 1] - 1), ``max_seqlen`` the longest document's
+    length, and ``positions`` (total,) int64: each token's position within its document."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+
+    @staticmethod
+    def of(lengths, device: torch.device | str | None = None) -> "Packing":
+        """The packing of documents of these lengths (ints >= 1), in order."""
+        lengths = [int(n) for n in lengths]
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"lengths must be one or more document lengths >= 1; got {lengths}")
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        return Packing(torch.tensor(offsets, dtype=torch.int32, device=device), max(lengths),
+                       positions.to(device))
+
+    @property
+    def total(self) -> int:
+        return self.positions.shape[0]
+
+    def target_mask(self) -> torch.Tensor:
+        """(total,) bool: False at each document's last token, whose next-token target is the next
+        document's first token (a boundary the model must not be trained to predict)."""
+        mask = torch.ones(self.total, dtype=torch.bool, device=self.positions.device)
+        mask[self.cu_seqlens[1:].long() - 1] = False
+        return mask
 
 
 # Devices whose tokens are range-checked on every forward (reading them back costs no synchronization);
@@ -181,7 +222,7 @@ class CausalSelfAttention(nn.Module):
         self.rope = rope
         self._checked: tuple[torch.device, torch.dtype] | None = None  # (device, dtype) the inputs passed on
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads)
         q, k, v = qkv.unbind(2)  # each (B, T, H, d_head), views of qkv
@@ -198,6 +239,13 @@ class CausalSelfAttention(nn.Module):
             # implementation run these inputs?  ValueError naming it and the alternatives if not.
             attention_registry.check_inputs(self.attention, q, k, v, True)
             self._checked = (q.device, q.dtype)
+        if packing is not None:  # one row of documents: attention within each (module docstring)
+            from cs336_systems.attention.flash_varlen import flash_attention_varlen
+
+            cu, longest = packing.cu_seqlens, packing.max_seqlen
+            out = flash_attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                                         longest, longest, True)  # (T, H, d_head)
+            return self.output_proj(out.reshape(batch, seq, d_model))
         out = self.attention_fn(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
@@ -223,8 +271,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, packing)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -256,9 +304,10 @@ class TransformerLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
+    def _check_tokens(self, tokens: torch.Tensor, packing: Packing | None = None) -> None:
         """ValueError naming ``tokens`` unless it is an int64 / int32 (B, T) tensor on the model's device, with
-        T <= context_length and ids in [0, vocab_size) (the range check: module docstring)."""
+        T <= context_length and ids in [0, vocab_size) (the range check: module docstring); with ``packing``,
+        one row of its total length, documents no longer than context_length, and flash-triton attention."""
         if not isinstance(tokens, torch.Tensor):
             raise ValueError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
         if tokens.dim() != 2:
@@ -266,6 +315,17 @@ class TransformerLM(nn.Module):
         if tokens.dtype != torch.int64 and tokens.dtype != torch.int32:
             raise ValueError(f"tokens must hold integer token ids (torch.int64 or torch.int32), got dtype {tokens.dtype}")
         seq = tokens.shape[1]
+        if packing is not None:
+            if tokens.shape[0] != 1 or seq != packing.total:
+                raise ValueError(f"packed tokens must have shape (1, {packing.total}) (the packing's total), got "
+                                 f"{tuple(tokens.shape)}")
+            if packing.cu_seqlens.device != tokens.device or packing.positions.device != tokens.device:
+                raise ValueError(f"the packing's tensors must be on the tokens' device {tokens.device}; got "
+                                 f"{packing.cu_seqlens.device}")
+            if self.config.attention != "flash-triton":
+                raise ValueError(f"packed documents need attention='flash-triton' (flash_attention_varlen); this "
+                                 f"model has attention={self.config.attention!r}")
+            seq = packing.max_seqlen  # positions restart per document: each must fit the context
         if seq > self.config.context_length:
             raise ValueError(
                 f"sequence length {seq} of tokens exceeds context_length={self.config.context_length}"
@@ -293,13 +353,17 @@ class TransformerLM(nn.Module):
         if not every_call:
             self._range_checked = (weakref.ref(tokens), tokens._version)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 (or int32) ids in [0, vocab_size), T <= context_length -> logits (B, T, vocab_size)."""
-        self._check_tokens(tokens)
+    def forward(self, tokens: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        """tokens: (B, T) int64 (or int32) ids in [0, vocab_size), T <= context_length -> logits (B, T, vocab_size).
+        ``packing``: tokens (1, total) hold documents packed in one row (module docstring)."""
+        self._check_tokens(tokens, packing)
         seq = tokens.shape[1]
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.token_embeddings(tokens)  # (B, T, d)
-        x = run_blocks(self.layers, x, positions, policy=self.checkpoint_policy)  # (B, T, d)
+        if packing is None:
+            positions = torch.arange(seq, device=tokens.device)
+            x = run_blocks(self.layers, self.token_embeddings(tokens), positions, policy=self.checkpoint_policy)
+        else:
+            x = run_blocks(self.layers, self.token_embeddings(tokens), packing.positions, packing,
+                           policy=self.checkpoint_policy)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
 
