@@ -62,6 +62,7 @@ from cs336_systems.bench.workloads.lm import OPTIMIZERS as LM_OPTIMIZERS
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPTIMIZER
 from cs336_systems.bench.workloads.lm import MASTER_FORMAT as LM_MASTER_FORMAT
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
+from cs336_systems.bench.workloads.lm import PACKINGS as LM_PACKINGS
 from cs336_systems.model import SIZES
 
 PROFILES = ("cpu", "gpu", "full")
@@ -189,9 +190,14 @@ def _checkpoint_policy(value: object, where: str) -> str:
 # cs336_systems.optim.AdamWMaster, kept split into the weight and its low bits; "adamw-master-fp32": the same
 # with float32 copies; both bf16 precision only).
 # "cuda_graphs": the compiled units replayed as CUDA graphs (compile true only; ids gain "cudagraphs").
+# "packings" (cs336_systems.bench.workloads.lm.PACKINGS): "none", the dense (batch, context) rows; "packed",
+# the batch's tokens as `documents` documents in one row (flash-triton only); "padded", the same documents
+# one per row, each padded to the context (ids gain "packed-docs<D>" / "padded-docs<D>").
 _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=False, default=[LM_DEFAULT_IMPL]),
              "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER]),
-             "cuda_graphs": Key(_boolean, axis=True, required=False, default=[False])}
+             "cuda_graphs": Key(_boolean, axis=True, required=False, default=[False]),
+             "packings": Key(_one_of(LM_PACKINGS), axis=True, required=False, default=["none"]),
+             "documents": Key(_positive_int, axis=False, required=False, default=16)}
 
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
 _CHECKPOINT_GRID = {**_LM_GRID, "checkpoints": Key(_checkpoint_policy, axis=True)}
@@ -302,6 +308,7 @@ _SINGULAR = {
     "precisions": "precision",
     "compile": "compile",
     "cuda_graphs": "cuda_graphs",
+    "packings": "packing",
     "attention": "attention",
     "warmup": "warmup",
     "impls": "impl",
@@ -331,7 +338,7 @@ _SINGULAR = {
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("cuda_graphs", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
+    ("causal", None), ("compile", None), ("cuda_graphs", None), ("packing", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("flash_options", "opts-{}"), ("warmup", "w{}"), ("flush_l2", None), ("timing", None),
@@ -357,6 +364,9 @@ def case_id(case: dict) -> str:
         elif key == "cuda_graphs":
             if case[key]:  # without CUDA graphs: the ids saved before the axis
                 parts.append("cudagraphs")
+        elif key == "packing":
+            if case[key] != "none":  # dense rows: the ids saved before the axis
+                parts.append(f"{case[key]}-docs{case['documents']}")
         elif key == "optimizer" and case[key] == LM_DEFAULT_OPTIMIZER:
             continue  # the ids saved before the optimizer axis
         elif key == "timing":
@@ -457,6 +467,24 @@ def _cuda_graphs_need_compile(grid: dict, where: str) -> None:
                           "with compile false; put the eager cases in a grid of their own")
 
 
+def _packing_needs_our_model_and_flash_triton(grid: dict, where: str) -> None:
+    packed = [p for p in grid.get("packings", ()) if p != "none"]
+    if not packed:
+        return
+    if [i for i in grid.get("impls", ()) if i != LM_DEFAULT_IMPL]:
+        raise MatrixError(f"{where}: packings {packed} run our model only (impls ['own'])")
+    if "packed" in packed and [a for a in grid.get("attention", ()) if a != "flash-triton"]:
+        # packed rows attend within each document through flash_attention_varlen (model.Packing)
+        raise MatrixError(f"{where}: packing 'packed' needs attention ['flash-triton'] only")
+    documents = grid.get("documents", 16)
+    smallest = min(grid.get("contexts", (documents,))) * min(grid.get("batch_sizes", (1,)))
+    if documents < max(grid.get("batch_sizes", (1,))) or documents > smallest:
+        # a batch's tokens as documents of at most one context each (workloads.lm.document_lengths), and at
+        # least one token a document
+        raise MatrixError(f"{where}: documents {documents} must be at least the largest batch size and at most "
+                          f"the smallest batch's tokens ({smallest})")
+
+
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -469,7 +497,8 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
-               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16, _cuda_graphs_need_compile)
+               _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16, _cuda_graphs_need_compile,
+               _packing_needs_our_model_and_flash_triton)
 
 
 def case_fields(suite: str) -> set[str]:

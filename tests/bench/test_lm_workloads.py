@@ -126,3 +126,29 @@ def test_adamw_master_needs_bf16_and_unknown_optimizers_are_named():
                           optimizer="adamw-master-fp32")
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'; valid: adamw, adamw-master, adamw-master-fp32$"):
         workloads.lm_step(size="tiny", context=16, batch_size=1, mode="train-step", optimizer="sgd")
+
+
+# --- packed and padded documents -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("total, documents, context", [(2048, 16, 512), (128, 4, 64), (64, 2, 32), (100, 100, 1)])
+def test_document_lengths_are_a_fixed_long_tailed_draw_that_fits(total, documents, context):
+    lengths = workloads.document_lengths(total, documents, context)
+    assert sum(lengths) == total and len(lengths) == documents and 1 <= min(lengths) and max(lengths) <= context
+    assert lengths == workloads.document_lengths(total, documents, context)  # the same draw every time
+    with pytest.raises(ValueError, match="cannot hold"):
+        workloads.document_lengths(total, documents, total // documents - 1 if total // documents > 1 else 0)
+
+
+def test_packed_and_padded_steps_run_and_refuse_what_they_cannot_take():
+    from cs336_systems.attention import flash_triton
+
+    if not (flash_triton.KERNELS_INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("flash-triton needs CUDA or the interpreter (TRITON_INTERPRET=1)")
+    for packing in ("packed", "padded"):
+        step = workloads.lm_step(size="tiny", context=32, batch_size=2, mode="train-step", precision="fp32",
+                          attention="flash-triton", packing=packing, documents=3)
+        step()
+    with pytest.raises(ValueError, match="unknown packing 'rows'"):
+        workloads.lm_step(size="tiny", context=32, batch_size=2, mode="forward", packing="rows")
+    with pytest.raises(ValueError, match="packing 'packed' runs our model only"):
+        workloads.lm_step(size="tiny", context=32, batch_size=2, mode="forward", packing="packed", impl="hf-llama")

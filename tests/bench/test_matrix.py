@@ -52,7 +52,7 @@ def test_cases_are_the_product_without_duplicates():
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
                         "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "cuda_graphs": False,
-                        "warmup": 1, "rounds": 2, "group": "default"}
+                        "packing": "none", "documents": 16, "warmup": 1, "rounds": 2, "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
 
@@ -529,3 +529,28 @@ def test_group_names_that_perf_group_cannot_select_are_refused():
         with pytest.raises(matrix.MatrixError, match="cannot be selected: --perf-group splits on ','"):
             matrix.parse(data)
     matrix.parse({"suites": {"flash": {"profiles": {"cpu": [dict(grid, group="flash-cpu")]}}}})
+
+
+def test_packed_documents_need_our_model_flash_triton_and_documents_that_fit():
+    base = {"group": "g", "sizes": ["tiny"], "contexts": [64], "batch_sizes": [2], "modes": ["forward"],
+            "precisions": ["fp32"], "compile": [False], "attention": ["flash-triton"], "packings": ["packed"],
+            "documents": 4, "warmup": 1, "rounds": 1}
+
+    def load(**grid):
+        return matrix.parse({"suites": {"end_to_end": {"profiles": {"cpu": [{**base, **grid}]}}}})
+
+    cases = load(packings=["none", "packed", "padded"]).cases("end_to_end", "cpu")
+    assert [matrix.case_id(c) for c in cases] == [
+        "tiny-ctx64-b2-forward-fp32-eager-flash-triton-w1", "tiny-ctx64-b2-forward-fp32-eager-packed-docs4-flash-triton-w1",
+        "tiny-ctx64-b2-forward-fp32-eager-padded-docs4-flash-triton-w1"]
+    with pytest.raises(matrix.MatrixError, match="packing 'packed' needs attention"):
+        load(attention=["sdpa"])
+    load(attention=["sdpa"], packings=["padded"])  # padded rows run any attention
+    with pytest.raises(matrix.MatrixError, match=r"run our model only"):
+        load(impls=["hf-llama"], attention=["sdpa"], packings=["padded"])
+    with pytest.raises(matrix.MatrixError, match="documents 1 must be at least the largest batch size"):
+        load(documents=1)
+    with pytest.raises(matrix.MatrixError, match=r"at most the smallest batch's tokens \(128\)"):
+        load(documents=200)
+    with pytest.raises(matrix.MatrixError, match="packings"):
+        load(packings=["stacked"])

@@ -27,6 +27,13 @@ Optimizers (``optimizer``, `OPTIMIZERS`), all fused (one pass over each tensor's
   In the forward and forward-backward modes, which build no optimizer, the Linear weights of both
   "adamw-master" variants are held in bf16 the same way, so each mode times the same model.
 
+Packing (``packing``, `PACKINGS`; our model only): "none", the dense (batch_size, context) rows of random
+tokens; "packed", the same number of tokens as ``documents`` documents of `document_lengths` (a fixed
+long-tailed draw, each at most ``context``) in one row, positions restarting and attention staying within
+each document (`model.Packing`, attention "flash-triton"), the loss skipping each document's boundary target;
+"padded", the same documents one per row, each padded to ``context``, the loss over their real tokens.  Both
+carry batch_size x context tokens of documents, so their tokens/s compare: the saving of packing over padding.
+
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
 and static shapes give the best kernels.  The baseline's decoder layers and final norm are compiled the
@@ -44,6 +51,7 @@ not count the pool's reserved intermediates, so it is not comparable with the ot
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -52,15 +60,32 @@ from torch import nn
 
 from cs336_systems import amp
 from cs336_systems.bench.workloads import hf_llama
-from cs336_systems.model import TransformerBlock, TransformerLM, build
+from cs336_systems.model import Packing, TransformerBlock, TransformerLM, build
 from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weights
 
 MODES = ("forward", "forward-backward", "train-step")
+PACKINGS = ("none", "packed", "padded")
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
 MASTER_FORMAT = {"adamw-master": "split", "adamw-master-fp32": "float32"}  # AdamWMaster's master_format
 OPTIMIZERS = ("adamw", *MASTER_FORMAT)
 DEFAULT_OPTIMIZER = "adamw"
+
+
+def document_lengths(total: int, documents: int, context: int, seed: int = 0) -> list[int]:
+    """``documents`` lengths summing to ``total``, each in [1, context]: a fixed lognormal draw (sigma 1: a
+    long tail of short documents and a few long ones), scaled to the total.  ValueError if they cannot fit."""
+    if not 1 <= documents <= total <= documents * context:
+        raise ValueError(f"documents={documents} cannot hold {total} tokens of at most context={context} each")
+    weights = torch.empty(documents, dtype=torch.float64).log_normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    lengths = [min(context, max(1, round(float(w)))) for w in weights / weights.sum() * total]
+    i = 0
+    while sum(lengths) != total:  # round-robin +-1 within [1, context] until the sum is exact
+        step = 1 if sum(lengths) < total else -1
+        if 1 <= lengths[i] + step <= context:
+            lengths[i] += step
+        i = (i + 1) % documents
+    return lengths
 
 
 def check_impl(impl: str) -> str:
@@ -145,6 +170,8 @@ def lm_step(
     impl: str = DEFAULT_IMPL,
     optimizer: str = DEFAULT_OPTIMIZER,
     cuda_graphs: bool = False,
+    packing: str = "none",
+    documents: int = 16,
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -154,7 +181,12 @@ def lm_step(
     transformers, and ValueError for an attention other than "sdpa" or a checkpoint policy.
     ``optimizer`` picks the AdamW (module docstring); the "adamw-master" ones need precision "bf16".
     ``cuda_graphs`` replays the compiled units as CUDA graphs (module docstring; needs compile and CUDA).
+    ``packing`` and ``documents``: packed or padded documents instead of dense rows (module docstring).
     """
+    if packing not in PACKINGS:
+        raise ValueError(f"unknown packing {packing!r}; valid: {', '.join(PACKINGS)}")
+    if packing != "none" and impl != DEFAULT_IMPL:
+        raise ValueError(f"packing {packing!r} runs our model only, got impl {impl!r}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     amp.check_precision(precision)
@@ -191,6 +223,20 @@ def lm_step(
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
     targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
+    keep = None  # the targets the loss counts: all of them for dense rows
+    if packing != "none":
+        lengths = document_lengths(batch_size * context, documents, context, seed)
+        tokens, targets = tokens.reshape(1, -1), targets.reshape(1, -1)
+        if packing == "packed":
+            packed = Packing.of(lengths, device)
+            keep = packed.target_mask()[None]
+            logits_of = functools.partial(model, packing=packed)
+        else:  # one document a row, padded to the context; the loss over each row's real tokens
+            real = torch.arange(context, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+            rows = torch.zeros(documents, context, dtype=tokens.dtype, device=device)
+            tokens, targets = rows.masked_scatter(real, tokens), rows.masked_scatter(real, targets)
+            keep = real.clone()
+            keep[torch.arange(documents, device=device), torch.tensor(lengths, device=device) - 1] = False
 
     if mode == "forward":
         model.eval()
@@ -211,7 +257,10 @@ def lm_step(
         model.zero_grad(set_to_none=True)
         with amp.autocast(precision, device):
             logits = logits_of(tokens)  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            if keep is None:
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            else:
+                loss = F.cross_entropy(logits[keep], targets[keep])
         if scaler is not None:
             scaler.scale(loss).backward()
             if opt is not None:
