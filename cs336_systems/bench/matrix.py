@@ -338,7 +338,8 @@ _SINGULAR = {
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
-    ("causal", None), ("compile", None), ("cuda_graphs", None), ("packing", None), ("attention", "{}"), ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
+    ("causal", None), ("compile", None), ("cuda_graphs", None), ("packing", None), ("attention", "{}"),
+    ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
     ("variant", "{}"), ("bucket_size_mb", "bucket{}MiB"), ("size_mb", "{}MiB"), ("world_size", "ranks{}"),
     ("flash_options", "opts-{}"), ("warmup", "w{}"), ("flush_l2", None), ("timing", None),

@@ -65,6 +65,7 @@ from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weight
 
 MODES = ("forward", "forward-backward", "train-step")
 PACKINGS = ("none", "packed", "padded")
+IGNORE = -100  # a target the loss skips (F.cross_entropy's ignore_index): packed and padded documents' boundaries
 IMPLS = ("own", "hf-llama")
 DEFAULT_IMPL = "own"
 MASTER_FORMAT = {"adamw-master": "split", "adamw-master-fp32": "float32"}  # AdamWMaster's master_format
@@ -77,7 +78,8 @@ def document_lengths(total: int, documents: int, context: int, seed: int = 0) ->
     long tail of short documents and a few long ones), scaled to the total.  ValueError if they cannot fit."""
     if not 1 <= documents <= total <= documents * context:
         raise ValueError(f"documents={documents} cannot hold {total} tokens of at most context={context} each")
-    weights = torch.empty(documents, dtype=torch.float64).log_normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    draw = torch.Generator().manual_seed(seed)
+    weights = torch.empty(documents, dtype=torch.float64).log_normal_(0.0, 1.0, generator=draw)
     lengths = [min(context, max(1, round(float(w)))) for w in weights / weights.sum() * total]
     i = 0
     while sum(lengths) != total:  # round-robin +-1 within [1, context] until the sum is exact
@@ -223,20 +225,20 @@ def lm_step(
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
     targets = torch.randint(0, vocab_size, (batch_size, context), device=device, generator=generator)
-    keep = None  # the targets the loss counts: all of them for dense rows
-    if packing != "none":
+    if packing != "none":  # targets the loss skips are IGNORE (set once here: no mask, no sync in the step)
         lengths = document_lengths(batch_size * context, documents, context, seed)
         tokens, targets = tokens.reshape(1, -1), targets.reshape(1, -1)
         if packing == "packed":
             packed = Packing.of(lengths, device)
-            keep = packed.target_mask()[None]
+            targets = targets.masked_fill(~packed.target_mask()[None], IGNORE)
             logits_of = functools.partial(model, packing=packed)
         else:  # one document a row, padded to the context; the loss over each row's real tokens
-            real = torch.arange(context, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+            ends = torch.tensor(lengths, device=device)[:, None]
+            real = torch.arange(context, device=device)[None] < ends
             rows = torch.zeros(documents, context, dtype=tokens.dtype, device=device)
             tokens, targets = rows.masked_scatter(real, tokens), rows.masked_scatter(real, targets)
-            keep = real.clone()
-            keep[torch.arange(documents, device=device), torch.tensor(lengths, device=device) - 1] = False
+            keep = torch.arange(context, device=device)[None] < ends - 1  # each document's last target skipped too
+            targets = targets.masked_fill(~keep, IGNORE)
 
     if mode == "forward":
         model.eval()
@@ -257,10 +259,7 @@ def lm_step(
         model.zero_grad(set_to_none=True)
         with amp.autocast(precision, device):
             logits = logits_of(tokens)  # (B, T, V)
-            if keep is None:
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            else:
-                loss = F.cross_entropy(logits[keep], targets[keep])
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         if scaler is not None:
             scaler.scale(loss).backward()
             if opt is not None:

@@ -71,8 +71,8 @@ def _query_tile(X, start, stride_t, stride_h, h, offs_m, rows, offs_d, HEAD_DIM:
                 BLOCK_D: tl.constexpr):
     """Rows offs_m of head h of the packed (tokens, heads, d) tensor X from token ``start`` on, (BLOCK_M,
     BLOCK_D), zeros past the sequence's rows and past d."""
-    return load_tile(X + start * stride_t + h * stride_h + offs_m[:, None] * stride_t + offs_d[None, :], rows[:, None],
-                 offs_d[None, :] < HEAD_DIM, True, BLOCK_D > HEAD_DIM)
+    ptrs = X + start * stride_t + h * stride_h + offs_m[:, None] * stride_t + offs_d[None, :]
+    return load_tile(ptrs, rows[:, None], offs_d[None, :] < HEAD_DIM, True, BLOCK_D > HEAD_DIM)
 
 
 @triton.jit
@@ -95,13 +95,14 @@ def varlen_fwd_kernel(
              tl.full([BLOCK_M], MASKED, dtype=tl.float32))  # O's accumulator, l, m
     hi, full_end = _key_range(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
     acc, _, l_i, m_i = fwd_tile(state[0], state[0], state[1], state[2], q, q, k_base, v_base, K, V, 0, offs_m,
-                                 offs_n0, offs_d, offs_d, stride_kt, stride_vt, 0, full_end, n_keys, qk_scale, False,
-                                 CAUSAL, BLOCK_N, PRECISION, 0, HEAD_DIM, BLOCK_D, 0)
+                                offs_n0, offs_d, offs_d, stride_kt, stride_vt, 0, full_end, n_keys, qk_scale, False,
+                                CAUSAL, BLOCK_N, PRECISION, 0, HEAD_DIM, BLOCK_D, 0)
     acc, _, l_i, m_i = fwd_tile(acc, acc, l_i, m_i, q, q, k_base, v_base, K, V, 0, offs_m, offs_n0, offs_d, offs_d,
-                                 stride_kt, stride_vt, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION,
-                                 0, HEAD_DIM, BLOCK_D, 0)
+                                stride_kt, stride_vt, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION,
+                                0, HEAD_DIM, BLOCK_D, 0)
     store_tile(O + q_start * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-           (acc / l_i[:, None]).to(O.dtype.element_ty), rows[:, None], offs_d[None, :] < HEAD_DIM, BLOCK_D > HEAD_DIM)
+               (acc / l_i[:, None]).to(O.dtype.element_ty), rows[:, None], offs_d[None, :] < HEAD_DIM,
+               BLOCK_D > HEAD_DIM)
     tl.store(L + h * total_q + q_start + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
              mask=offs_m < n_queries)
 
@@ -133,13 +134,13 @@ def varlen_dq_kernel(
     v_base = V + k_start * stride_vt + (h // group) * stride_vh
     hi, full_end = _key_range(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
     dq, _ = dq_tile(dq, dq, q, q, do, do, lse2, delta, k_base, v_base, K, V, 0, offs_m, offs_n0, offs_d, offs_d,
-                     stride_kt, stride_vt, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, 0,
-                     HEAD_DIM, BLOCK_D, 0)
+                    stride_kt, stride_vt, 0, full_end, n_keys, qk_scale, False, CAUSAL, BLOCK_N, PRECISION, 0,
+                    HEAD_DIM, BLOCK_D, 0)
     dq, _ = dq_tile(dq, dq, q, q, do, do, lse2, delta, k_base, v_base, K, V, 0, offs_m, offs_n0, offs_d, offs_d,
-                     stride_kt, stride_vt, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, 0,
-                     HEAD_DIM, BLOCK_D, 0)
+                    stride_kt, stride_vt, full_end, hi, n_keys, qk_scale, True, CAUSAL, BLOCK_N, PRECISION, 0,
+                    HEAD_DIM, BLOCK_D, 0)
     store_tile(DQ + q_start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-           (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], offs_d[None, :] < HEAD_DIM, BLOCK_D > HEAD_DIM)
+               (dq * sm_scale).to(DQ.dtype.element_ty), rows[:, None], offs_d[None, :] < HEAD_DIM, BLOCK_D > HEAD_DIM)
 
 
 @triton.jit
@@ -166,10 +167,10 @@ def varlen_dkdv_kernel(
     cols = offs_n[:, None] < n_keys
     d_row = offs_d[None, :] < HEAD_DIM
     pad = BLOCK_D > HEAD_DIM
-    k = load_tile(K + k_start * stride_kt + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], cols, d_row,
-              True, pad)
-    v = load_tile(V + k_start * stride_vt + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], cols, d_row,
-              True, pad)
+    k = load_tile(K + k_start * stride_kt + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], cols,
+                  d_row, True, pad)
+    v = load_tile(V + k_start * stride_vt + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], cols,
+                  d_row, True, pad)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if CAUSAL:  # queries before start_n see none of these keys; the band up to the tile's last key is masked
@@ -188,23 +189,23 @@ def varlen_dkdv_kernel(
         d_base = Dvec + h * total_q + q_start
         if CAUSAL:
             dk, dv, _, _ = dkdv_tile(dk, dv, dk, dv, k, v, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0,
-                                      offs_d, offs_d, stride_qt, stride_dot, lo, band_end, n_queries, n_keys, qk_scale,
-                                      True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
+                                     offs_d, offs_d, stride_qt, stride_dot, lo, band_end, n_queries, n_keys, qk_scale,
+                                     True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
         if ragged:
             dk, dv, _, _ = dkdv_tile(dk, dv, dk, dv, k, v, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0,
-                                      offs_d, offs_d, stride_qt, stride_dot, band_end, full_end, n_queries, n_keys,
-                                      qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
+                                     offs_d, offs_d, stride_qt, stride_dot, band_end, full_end, n_queries, n_keys,
+                                     qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
         else:
             dk, dv, _, _ = dkdv_tile(dk, dv, dk, dv, k, v, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0,
-                                      offs_d, offs_d, stride_qt, stride_dot, band_end, full_end, n_queries, n_keys,
-                                      qk_scale, False, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
+                                     offs_d, offs_d, stride_qt, stride_dot, band_end, full_end, n_queries, n_keys,
+                                     qk_scale, False, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
         dk, dv, _, _ = dkdv_tile(dk, dv, dk, dv, k, v, k, v, q_base, do_base, l_base, d_base, offs_n, offs_m0,
-                                  offs_d, offs_d, stride_qt, stride_dot, full_end, n_queries, n_queries, n_keys,
-                                  qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
+                                 offs_d, offs_d, stride_qt, stride_dot, full_end, n_queries, n_queries, n_keys,
+                                 qk_scale, True, CAUSAL, BLOCK_M, PRECISION, HEAD_DIM, BLOCK_D, 0, 0)
     store_tile(DK + k_start * stride_dkt + kvh * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-           (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, pad)
+               (dk * sm_scale).to(DK.dtype.element_ty), cols, d_row, pad)
     store_tile(DV + k_start * stride_dvt + kvh * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-           dv.to(DV.dtype.element_ty), cols, d_row, pad)
+               dv.to(DV.dtype.element_ty), cols, d_row, pad)
 
 
 def _block_d(head_dim: int) -> int:
