@@ -37,14 +37,16 @@ MULTI_GPU_JOBS = (
 EVERY = ("*",)
 # (path prefix, group patterns): the first matching rule decides.  What each area of the code can move.
 PATH_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("cs336_systems/attention/", ("leaderboard", "flash-*", "attention-*", "e2e-flash-attention")),
+    ("cs336_systems/attention/", ("leaderboard", "flash-*", "attention-*", "e2e-flash-attention", "e2e-packed",
+                                  "packed-*")),
     ("cs336_systems/optim/", ("e2e-*",)),
     ("cs336_systems/model.py", ("e2e-*", "warmup", "checkpointing-*")),
     ("cs336_systems/checkpointing.py", ("checkpointing-*", "e2e-*")),
     ("cs336_systems/amp.py", ("e2e-*", "checkpointing-*", "warmup", "ddp-*", "sharding-*")),
     ("cs336_systems/parallel/", ("ddp-*", "sharding-*", "scaling-*", "allreduce-*")),
     ("cs336_systems/bench/workloads/attention.py", ("leaderboard", "flash-*", "attention-*")),
-    ("cs336_systems/bench/workloads/lm.py", ("e2e-*", "warmup", "checkpointing-*")),
+    ("cs336_systems/bench/workloads/lm.py", ("e2e-*", "warmup", "checkpointing-*", "packed-*")),
+    ("cs336_systems/bench/workloads/packed_attention.py", ("packed-*",)),
     ("cs336_systems/bench/workloads/hf_llama.py", ("e2e-hf",)),
     ("cs336_systems/bench/workloads/allreduce.py", ("allreduce-*",)),
     ("cs336_systems/bench/workloads/data_parallel.py", ("ddp-*", "sharding-*", "scaling-*")),

@@ -63,6 +63,8 @@ from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER as LM_DEFAULT_OPT
 from cs336_systems.bench.workloads.lm import MASTER_FORMAT as LM_MASTER_FORMAT
 from cs336_systems.bench.workloads.lm import MODES as LM_MODES
 from cs336_systems.bench.workloads.lm import PACKINGS as LM_PACKINGS
+from cs336_systems.bench.workloads.packed_attention import IMPLS as PACKED_IMPLS
+from cs336_systems.bench.workloads.packed_attention import MODES as PACKED_MODES
 from cs336_systems.model import SIZES
 
 PROFILES = ("cpu", "gpu", "full")
@@ -234,6 +236,24 @@ _ATTENTION_GRID = {
     "group": Key(_group_name, axis=False, required=False, default="default"),
 }
 
+# Packed attention (bench/workloads/packed_attention.py): `docs` documents of a fixed long-tailed draw summing
+# to `total` tokens in one row, attention within each, by implementation (ids: impl-t<total>-docs<D>-h-d-...).
+_PACKED_ATTENTION_GRID = {
+    "impls": Key(_one_of(PACKED_IMPLS), axis=True),
+    "totals": Key(_positive_int, axis=True),
+    "docs": Key(_positive_int, axis=True),
+    "heads": Key(_positive_int, axis=True),
+    "head_dims": Key(_positive_int, axis=True),
+    "dtypes": Key(_one_of(ATTENTION_DTYPES), axis=True),
+    "causal": Key(_boolean, axis=True),
+    "modes": Key(_one_of(PACKED_MODES), axis=True),
+    "timings": Key(_one_of(("host", "device")), axis=True, required=False, default=["host"]),
+    "warmup": Key(_non_negative_int, axis=False),
+    "rounds": Key(_positive_int, axis=False),
+    "group": Key(_group_name, axis=False, required=False, default="default"),
+}
+
+
 def _positive_number(value: object, where: str) -> float:
     """A finite number > 0 (JSON's Infinity and NaN load as floats; neither is a size)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
@@ -295,6 +315,7 @@ SUITE_SCHEMAS: dict[str, dict[str, Key]] = {
     "attention": _ATTENTION_GRID,
     "flash": _ATTENTION_GRID,
     "leaderboard": _ATTENTION_GRID,
+    "packed_attention": _PACKED_ATTENTION_GRID,
     "allreduce": _ALLREDUCE_GRID,
     "data_parallel": _DATA_PARALLEL_GRID,
 }
@@ -309,6 +330,8 @@ _SINGULAR = {
     "compile": "compile",
     "cuda_graphs": "cuda_graphs",
     "packings": "packing",
+    "totals": "total",
+    "docs": "docs",
     "attention": "attention",
     "warmup": "warmup",
     "impls": "impl",
@@ -337,7 +360,8 @@ _SINGULAR = {
 # when it is a baseline (hf-llama-xl-ctx512-...): our own model's ids are the ids saved before the impl axis.
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
-    ("kv_heads", "kv{}"), ("seq_len", "n{}"), ("head_dim", "d{}"), ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
+    ("kv_heads", "kv{}"), ("total", "t{}"), ("docs", "docs{}"), ("seq_len", "n{}"), ("head_dim", "d{}"),
+    ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
     ("causal", None), ("compile", None), ("cuda_graphs", None), ("packing", None), ("attention", "{}"),
     ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
