@@ -413,10 +413,16 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     config.stash[RUN_JSON_KEY] = output_json
 
 
+def _json_path(target) -> Path:
+    """--benchmark-json's value as a path: pytest-benchmark parses it to a Path (whose ``name`` is only the
+    basename), older releases to an open file (whose ``name`` is its path)."""
+    return Path(target) if isinstance(target, (str, os.PathLike)) else Path(target.name)
+
+
 def _written(target) -> bool:
-    """Whether ``target`` (a path, or an open file's name) holds a saved run."""
+    """Whether ``target`` (`_json_path`) holds a saved run."""
     try:
-        data = json.loads(Path(getattr(target, "name", target)).read_text())
+        data = json.loads(_json_path(target).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and isinstance(data.get("benchmarks"), list)
@@ -436,10 +442,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             fallback.write_text(json.dumps(run, indent=1, default=str))
         except OSError:
             continue
-        sys.stderr.write(f"\n--benchmark-json={getattr(target, 'name', target)} was not written; the run is saved "
+        sys.stderr.write(f"\n--benchmark-json={_json_path(target)} was not written; the run is saved "
                          f"in {fallback} instead\n")
         return
-    sys.stderr.write(f"\n--benchmark-json={getattr(target, 'name', target)} was not written, and no fallback "
+    sys.stderr.write(f"\n--benchmark-json={_json_path(target)} was not written, and no fallback "
                      "file could be written either (current folder, home, temp): the run is lost\n")
 
 

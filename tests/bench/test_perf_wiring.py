@@ -484,3 +484,17 @@ def test_a_run_json_that_fails_to_write_after_measuring_is_saved_to_a_fallback(p
     saved = json.loads(fallback.read_text())
     assert len(saved["benchmarks"]) == 2 and saved["perf_profile"] == "cpu"
     assert not target.exists()
+
+
+def test_a_run_json_written_outside_the_current_folder_needs_no_fallback(project, monkeypatch, tmp_path):
+    """pytest-benchmark hands the option over as a Path, whose ``name`` is only its basename: a run saved in
+    another folder is found there, with no fallback file and no warning."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(project.path)
+    target = elsewhere / "run.json"
+    result = project.run("perf", "--perf-profile=cpu", "-k", "test_case", "-p", "no:cacheprovider",
+                         f"--benchmark-json={target}")
+    assert json.loads(target.read_text())["benchmarks"]
+    assert "was not written" not in result.stderr.str()
+    assert not list(project.path.glob("perf-run-unsaved-*.json"))
