@@ -18,14 +18,15 @@ warmup_study  the same step measured after 0, 1, 2, 5 warm-up steps.  With no wa
 
 import pytest
 
-from cs336_systems import model
+from cs336_systems import float8, model
 from cs336_systems.bench import flops
 from cs336_systems.bench.workloads import lm as workloads
 
 
 def _run_lm_case(case, bench, device):
     impl = case.get("impl", workloads.DEFAULT_IMPL)
-    reason = workloads.unavailable_reason(impl)
+    reason = workloads.unavailable_reason(impl) or float8.unavailable_reason(
+        case.get("linear_precision", float8.DEFAULT_PRECISION), device)
     if reason is not None:
         pytest.skip(reason)
     # The baselines have our model's parameters (tests/bench/test_hf_llama.py), hence its FLOPs per step.
@@ -45,6 +46,7 @@ def _run_lm_case(case, bench, device):
             attention=case["attention"], checkpoint=case.get("checkpoint", "none"), device=device, impl=impl,
             optimizer=case.get("optimizer", workloads.DEFAULT_OPTIMIZER), cuda_graphs=case.get("cuda_graphs", False),
             packing=packing, documents=case.get("documents", 16),
+            linear_precision=case.get("linear_precision", float8.DEFAULT_PRECISION),
         ),
         case=case,
         flops_per_step=step_flops,

@@ -54,6 +54,8 @@ from pathlib import Path
 
 from cs336_systems.amp import PRECISIONS
 from cs336_systems.attention.plan import FlashOptions
+from cs336_systems.float8 import DEFAULT_PRECISION as DEFAULT_LINEAR_PRECISION
+from cs336_systems.float8 import PRECISIONS as LINEAR_PRECISIONS
 from cs336_systems.bench.workloads.attention import DTYPES as ATTENTION_DTYPES
 from cs336_systems.bench.workloads.attention import MODES as ATTENTION_MODES
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as LM_DEFAULT_IMPL
@@ -199,6 +201,9 @@ _E2E_GRID = {**_LM_GRID, "impls": Key(_one_of(LM_IMPLS), axis=True, required=Fal
              "optimizers": Key(_one_of(LM_OPTIMIZERS), axis=True, required=False, default=[LM_DEFAULT_OPTIMIZER]),
              "cuda_graphs": Key(_boolean, axis=True, required=False, default=[False]),
              "packings": Key(_one_of(LM_PACKINGS), axis=True, required=False, default=["none"]),
+             # the Linear layers' GEMMs: "bf16" (autocast's) or torchao's float8 recipes (cs336_systems.float8)
+             "linear_precisions": Key(_one_of(LINEAR_PRECISIONS), axis=True, required=False,
+                                      default=[DEFAULT_LINEAR_PRECISION]),
              "documents": Key(_positive_int, axis=False, required=False, default=16)}
 
 # Activation checkpointing (model.build(checkpoint=...)): the LM grid with a policy axis.
@@ -330,6 +335,7 @@ _SINGULAR = {
     "compile": "compile",
     "cuda_graphs": "cuda_graphs",
     "packings": "packing",
+    "linear_precisions": "linear_precision",
     "totals": "total",
     "docs": "docs",
     "attention": "attention",
@@ -361,7 +367,7 @@ _SINGULAR = {
 _ID_FORMAT = (
     ("impl", "{}"), ("size", "{}"), ("context", "ctx{}"), ("batch_size", "b{}"), ("heads", "h{}"),
     ("kv_heads", "kv{}"), ("total", "t{}"), ("docs", "docs{}"), ("seq_len", "n{}"), ("head_dim", "d{}"),
-    ("mode", "{}"), ("precision", "{}"), ("dtype", "{}"),
+    ("mode", "{}"), ("precision", "{}"), ("linear_precision", None), ("dtype", "{}"),
     ("causal", None), ("compile", None), ("cuda_graphs", None), ("packing", None), ("attention", "{}"),
     ("checkpoint", "ckpt-{}"), ("optimizer", "{}"),
     ("backend", "{}"),
@@ -389,6 +395,9 @@ def case_id(case: dict) -> str:
         elif key == "cuda_graphs":
             if case[key]:  # without CUDA graphs: the ids saved before the axis
                 parts.append("cudagraphs")
+        elif key == "linear_precision":
+            if case[key] != DEFAULT_LINEAR_PRECISION:  # the ids saved before the axis
+                parts.append(case[key])
         elif key == "packing":
             if case[key] != "none":  # dense rows: the ids saved before the axis
                 parts.append(f"{case[key]}-docs{case['documents']}")
@@ -510,6 +519,15 @@ def _packing_needs_our_model_and_flash_triton(grid: dict, where: str) -> None:
                           f"the smallest batch's tokens ({smallest})")
 
 
+def _float8_needs_bf16(grid: dict, where: str) -> None:
+    fp8 = [p for p in grid.get("linear_precisions", ()) if p != DEFAULT_LINEAR_PRECISION]
+    other = [p for p in grid.get("precisions", ()) if p != "bf16"]
+    if fp8 and other:
+        # torchao's Float8Linear trains under bf16 autocast (cs336_systems.bench.workloads.lm)
+        raise MatrixError(f"{where}: linear_precisions {fp8} need precision 'bf16' only, but the grid also crosses "
+                          f"them with precisions {other}")
+
+
 def _kv_heads_divide_heads(grid: dict, where: str) -> None:
     kv_heads = [h for h in grid.get("kv_heads", ()) if h is not None]
     if not kv_heads:
@@ -523,7 +541,7 @@ def _kv_heads_divide_heads(grid: dict, where: str) -> None:
 
 _GRID_RULES = (_graph_needs_no_untimed_forward, _bucket_sizes_only_on_bucketed_variants, _no_fp16_on_sharded_variants,
                _baselines_run_sdpa_only, _kv_heads_divide_heads, _master_weights_need_bf16, _cuda_graphs_need_compile,
-               _packing_needs_our_model_and_flash_triton)
+               _packing_needs_our_model_and_flash_triton, _float8_needs_bf16)
 
 
 def case_fields(suite: str) -> set[str]:

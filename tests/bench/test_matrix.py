@@ -52,7 +52,8 @@ def test_cases_are_the_product_without_duplicates():
     assert len(cases) == 4
     assert cases[0] == {"size": "tiny", "context": 8, "batch_size": 1, "mode": "forward", "precision": "fp32",
                         "compile": False, "attention": "sdpa", "impl": "own", "optimizer": "adamw", "cuda_graphs": False,
-                        "packing": "none", "documents": 16, "warmup": 1, "rounds": 2, "group": "default"}
+                        "packing": "none", "documents": 16, "linear_precision": "bf16", "warmup": 1, "rounds": 2,
+                        "group": "default"}
     assert matrix.parse(data).cases("end_to_end", "gpu") == []
 
 

@@ -197,9 +197,9 @@ def test_a_gate_of_groups_the_run_did_not_select_is_not_applicable_and_names_the
     assert [c.verdict for c in checks] == ["not applicable"] * len(m.gates) and all(c.ok for c in checks)
     assert checks[0].case == checks[1].case == "needs group leaderboard, not selected"  # sdpa-flash, cuDNN
     assert checks[2].case == "needs group ddp-bf16 or ddp-fp32, not selected"
-    # own (AdamWMaster) vs HF Llama (AdamW): the only group that lists both sides is e2e-hf
-    assert checks[3].case == "needs group e2e-hf, not selected"
-    assert checks[4].case == "needs group e2e-hf, not selected"
+    # own (AdamWMaster) vs HF Llama (AdamW): the groups that list both sides are e2e-hf and e2e-fp8 (its bf16 cells)
+    assert checks[3].case == "needs group e2e-fp8 or e2e-hf, not selected"
+    assert checks[4].case == "needs group e2e-fp8 or e2e-hf, not selected"
     assert gates.summary(checks) == "ratio gates: none applies to this run"
 
 

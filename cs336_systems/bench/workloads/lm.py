@@ -34,6 +34,10 @@ each document (`model.Packing`, attention "flash-triton"), the loss skipping eac
 "padded", the same documents one per row, each padded to ``context``, the loss over their real tokens.  Both
 carry batch_size x context tokens of documents, so their tokens/s compare: the saving of packing over padding.
 
+Float8 (``linear_precision``: `cs336_systems.float8.PRECISIONS`): "bf16" leaves the GEMMs to autocast; the
+fp8 recipes swap both models' Linear layers (the LM head excluded) for torchao's Float8Linear before the
+optimizer and torch.compile see them.
+
 Compilation (``compile=True``) compiles each TransformerBlock separately with ``dynamic=False``
 (torchtitan's per-block policy): all blocks share one graph, so compile time does not grow with depth,
 and static shapes give the best kernels.  The baseline's decoder layers and final norm are compiled the
@@ -58,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems import amp
+from cs336_systems import amp, float8
 from cs336_systems.bench.workloads import hf_llama
 from cs336_systems.model import Packing, TransformerBlock, TransformerLM, build
 from cs336_systems.optim.adamw_master import AdamWMaster, hold_in, linear_weights
@@ -174,6 +178,7 @@ def lm_step(
     cuda_graphs: bool = False,
     packing: str = "none",
     documents: int = 16,
+    linear_precision: str = "bf16",
 ) -> LMStep:
     """Build an LM workload and return ``step()`` running one ``mode`` step on it.
 
@@ -184,7 +189,13 @@ def lm_step(
     ``optimizer`` picks the AdamW (module docstring); the "adamw-master" ones need precision "bf16".
     ``cuda_graphs`` replays the compiled units as CUDA graphs (module docstring; needs compile and CUDA).
     ``packing`` and ``documents``: packed or padded documents instead of dense rows (module docstring).
+    ``linear_precision``: "fp8-tensorwise" / "fp8-rowwise" train the Linear layers' GEMMs in float8 through
+    torchao (`cs336_systems.float8`; both models, the LM head excluded; precision "bf16" only).
     """
+    float8.check_precision(linear_precision)
+    if linear_precision != float8.DEFAULT_PRECISION and precision != "bf16":
+        raise ValueError(f"linear_precision {linear_precision!r} trains under bf16 autocast: precision must be "
+                         f"'bf16', got {precision!r}")
     if packing not in PACKINGS:
         raise ValueError(f"unknown packing {packing!r}; valid: {', '.join(PACKINGS)}")
     if packing != "none" and impl != DEFAULT_IMPL:
@@ -210,6 +221,7 @@ def lm_step(
                           checkpoint=checkpoint)
         units = compile_units(model)
         logits_of = model
+    float8.convert_linears(model, linear_precision)  # before the optimizer takes the weights and before compile
     opt = None
     if mode == "train-step":
         if optimizer in MASTER_FORMAT:

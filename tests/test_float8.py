@@ -1,0 +1,66 @@
+"""Float8 Linear layers through torchao (cs336_systems.float8): which modules convert, the step with
+AdamWMaster and with Hugging Face's Llama, and the reasons a device cannot train in float8.  On a CPU the
+float8 casts are emulated (torchao's emulate mode): the same numerics path, float32 matmuls."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cs336_systems import float8, model
+from cs336_systems.bench.workloads import lm
+
+torchao = pytest.importorskip("torchao", reason=f"float8 training needs torchao: {float8.INSTALL}")
+
+
+def tiny():
+    torch.manual_seed(0)
+    return model.build("tiny", attention="naive", vocab_size=64, context_length=32)
+
+
+@pytest.mark.parametrize("precision", ["fp8-tensorwise", "fp8-rowwise"])
+def test_every_block_linear_converts_and_the_head_stays(precision):
+    lm_model = tiny()
+    linears = {name for name, m in lm_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = float8.convert_linears(lm_model, precision)
+    assert set(names) == linears - {"lm_head"} and names == float8.converted(lm_model)
+    assert float8.convert_linears(tiny(), "bf16") == []
+    with pytest.raises(ValueError, match="unknown linear precision 'fp8'"):
+        float8.convert_linears(tiny(), "fp8")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-master"])
+def test_a_float8_train_step_runs_and_learns(optimizer):
+    step = lm.lm_step(size="tiny", context=32, batch_size=2, mode="train-step", precision="bf16", attention="sdpa",
+                      vocab_size=64, optimizer=optimizer, linear_precision="fp8-rowwise")
+    weight = step.model.layers[0].attn.qkv_proj.weight
+    before = weight.detach().clone()
+    step()
+    assert not torch.equal(before, weight.detach())  # the optimizer updated the converted layer's weight
+    assert "layers.0.attn.qkv_proj" in float8.converted(step.model)
+    with pytest.raises(ValueError, match="precision must be 'bf16'"):
+        lm.lm_step(size="tiny", context=32, batch_size=2, mode="forward", precision="fp32",
+                   linear_precision="fp8-rowwise")
+
+
+def test_hugging_faces_llama_converts_the_same_way():
+    pytest.importorskip("transformers")
+    step = lm.lm_step(size="tiny", context=32, batch_size=2, mode="train-step", precision="bf16", attention="sdpa",
+                      vocab_size=64, impl="hf-llama", linear_precision="fp8-tensorwise")
+    step()
+    names = float8.converted(step.model)
+    assert names and not any(name.endswith("lm_head") for name in names)
+
+
+def test_reasons_a_device_cannot_train_in_float8(monkeypatch):
+    assert float8.unavailable_reason("bf16", "cpu") is None
+    assert float8.unavailable_reason("fp8-rowwise", "cpu") is None  # emulated
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert "compute capability 8.9 or more; this GPU has 8.0" in float8.unavailable_reason("fp8-rowwise", "cuda:0")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert "needs torchao" in float8.unavailable_reason("fp8-tensorwise", "cpu")
+    with pytest.raises(ValueError, match="needs torchao"):
+        float8.convert_linears(tiny(), "fp8-tensorwise")
