@@ -64,3 +64,49 @@ def test_reasons_a_device_cannot_train_in_float8(monkeypatch):
     assert "needs torchao" in float8.unavailable_reason("fp8-tensorwise", "cpu")
     with pytest.raises(ValueError, match="needs torchao"):
         float8.convert_linears(tiny(), "fp8-tensorwise")
+
+
+def test_float8_layers_under_activation_checkpointing_give_the_same_gradients():
+    """Recomputing a checkpointed block recomputes its float8 casts (dynamic scales: the same ones), so the
+    gradients equal those of the run without checkpointing."""
+    grads = []
+    for policy in ("none", "every-1"):
+        torch.manual_seed(0)
+        lm_model = model.build("tiny", attention="naive", vocab_size=64, context_length=32, checkpoint=policy)
+        float8.convert_linears(lm_model, "fp8-rowwise")
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+        loss = torch.nn.functional.cross_entropy(lm_model(tokens).flatten(0, 1), tokens.flatten())
+        grads.append(torch.autograd.grad(loss, list(lm_model.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_float8_model_and_its_adamw_master_state_round_trip_through_state_dicts(tmp_path):
+    from cs336_systems.optim.adamw_master import AdamWMaster, linear_weights
+
+    def trained():
+        torch.manual_seed(0)
+        lm_model = model.build("tiny", attention="naive", vocab_size=64, context_length=32)
+        float8.convert_linears(lm_model, "fp8-tensorwise")
+        opt = AdamWMaster(lm_model.parameters(), lr=1e-3, compute_params=linear_weights(lm_model))
+        return lm_model, opt
+
+    def step(lm_model, opt, seed):
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(seed))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(lm_model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    first, first_opt = trained()
+    step(first, first_opt, 1)
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, tmp_path / "ckpt.pt")
+    second, second_opt = trained()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    second.load_state_dict(saved["model"])
+    second_opt.load_state_dict(saved["opt"])
+    for lm_model, opt in ((first, first_opt), (second, second_opt)):
+        step(lm_model, opt, 2)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
