@@ -110,3 +110,22 @@ def test_a_float8_model_and_its_adamw_master_state_round_trip_through_state_dict
         step(lm_model, opt, 2)
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_loss_curve_tool_trains_each_precision_on_the_same_batches_and_judges_them(tmp_path):
+    import json
+
+    from cs336_systems.tools import float8_loss
+
+    data, source = float8_loss.stdlib_bytes(2**20)
+    assert source["files"] > 10 and data.numel() == source["bytes"] <= 2**20 and int(data.max()) < 256
+    out = tmp_path / "loss.json"
+    assert float8_loss.main(["--steps", "12", "--window", "4", "--context", "16", "--batch", "2", "--device", "cpu",
+                             "--data-bytes", str(2**20), "--precisions", "bf16,fp8-rowwise", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["precision"], r["seed"]) for r in result["runs"]] == [("bf16", 0), ("bf16", 1), ("fp8-rowwise", 0)]
+    assert all(len(r["losses"]) == 12 for r in result["runs"])
+    assert set(result["verdict"]["agrees"]) == {"fp8-rowwise seed 0"} and result["verdict"]["over_steps"] == [6, 12]
+    assert result["command"].startswith("python -m cs336_systems.tools.float8_loss --steps 12")
+    with pytest.raises(ValueError, match="two seeds"):
+        float8_loss.verdict(result["runs"][:1] + result["runs"][2:], 4)
