@@ -129,3 +129,66 @@ def test_the_loss_curve_tool_trains_each_precision_on_the_same_batches_and_judge
     assert result["command"].startswith("python -m cs336_systems.tools.float8_loss --steps 12")
     with pytest.raises(ValueError, match="two seeds"):
         float8_loss.verdict(result["runs"][:1] + result["runs"][2:], 4)
+
+
+def test_the_gemm_count_tool_times_each_block_linear_in_each_precision_and_predicts_the_step(tmp_path):
+    import json
+
+    from cs336_systems.tools import float8_gemms
+
+    assert float8_gemms.block_linears("2.7B") == [("qkv_proj", 2560, 7680), ("output_proj", 2560, 2560),
+                                                  ("ffn.w13", 2560, 20480), ("ffn.w2", 10240, 2560)]
+    # the block's Linears are the model's: same names and shapes
+    block = model.build("tiny", attention="naive", vocab_size=64, context_length=32).layers[0]
+    linears = {name: (m.in_features, m.out_features) for name, m in block.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 4 and all(
+        [shape for name, shape in linears.items() if name.endswith(tool_name)] == [(fin, fout)]
+        for tool_name, fin, fout in float8_gemms.block_linears("tiny"))
+    out = tmp_path / "gemms.json"
+    assert float8_gemms.main(["--sizes", "tiny", "--tokens", "32", "--eager", "--warmup", "1", "--rounds", "2",
+                              "--step-ms", "tiny=100", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert [row["linear"] for row in result["linears"]] == ["qkv_proj", "output_proj", "ffn.w13", "ffn.w2"]
+    for row in result["linears"]:
+        assert set(row["gemm_ms"]) == set(row["layer_ms"]) == {"bf16", "fp8-tensorwise", "fp8-rowwise"}
+        assert all(value > 0 for value in [*row["gemm_ms"].values(), *row["layer_ms"].values()])
+    for recipe, saving in result["saving"].items():
+        expected = result["n_layers"] * sum(row["layer_ms"]["bf16"] - row["layer_ms"][recipe]
+                                            for row in result["linears"])
+        assert saving["layer_ms_per_step"] == pytest.approx(expected)
+        assert result["predicted_step_ms"][recipe] == pytest.approx(100 - expected)
+    with pytest.raises(SystemExit):
+        float8_gemms.main(["--step-ms", "tiny:100", "--out", str(out)])
+
+
+def test_the_gemm_count_tool_times_float8_gemms_that_compute_the_bf16_products():
+    from cs336_systems.tools import float8_gemms
+
+    device = torch.device("cpu")
+    ref = float8_gemms._gemm_step(32, 64, 48, "bf16", device)()
+    for recipe in float8_gemms.RECIPES:
+        got = float8_gemms._gemm_step(32, 64, 48, recipe, device)()
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and a.dtype == torch.bfloat16
+            # float8 operands (3 mantissa bits; 2 for the e5m2 gradient): a few percent of the norm
+            assert (a.float() - b.float()).norm() <= 0.15 * b.float().norm()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_few_float8_steps_track_the_bf16_loss():
+    from cs336_systems.tools import float8_loss
+
+    device = torch.device("cuda")
+    if float8.unavailable_reason("fp8-tensorwise", device):
+        pytest.skip(float8.unavailable_reason("fp8-tensorwise", device))
+    data, _ = float8_loss.stdlib_bytes(2**22)
+    runs = {precision: float8_loss.train(data, precision=precision, seed=0, steps=40, size="tiny", context=128,
+                                         batch=16, lr=3e-3, data_seed=0, device=device)
+            for precision in ("bf16", *float8.PRECISIONS[1:])}
+    start = sum(runs["bf16"][:5]) / 5
+    for precision, losses in runs.items():
+        end = sum(losses[-10:]) / 10
+        assert end < start - 1.0, (precision, start, end)  # it learns
+        bf16_end = sum(runs["bf16"][-10:]) / 10
+        assert abs(end - bf16_end) <= 0.05 * bf16_end, (precision, end, bf16_end)
