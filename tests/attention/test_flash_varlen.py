@@ -44,7 +44,8 @@ def per_sequence_reference(q, k, v, do, cu_q, cu_k, causal):
         kk, vv = (t[ks:ke].transpose(0, 1).repeat_interleave(group, 0) for t in (k64, v64))
         scores = qq @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
         if causal:
-            scores = scores.masked_fill(torch.ones(qe - qs, ke - ks, dtype=torch.bool).triu(1), float("-inf"))
+            mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
         outs.append((scores.softmax(-1) @ vv).transpose(0, 1))
     o = torch.cat(outs) if outs else q64.new_zeros(q.shape)
     grads = torch.autograd.grad(o, (q64, k64, v64), do.double(), allow_unused=True)
@@ -77,6 +78,17 @@ def test_packed_sequences_match_each_sequence_alone(lengths, heads, d, causal, d
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 1, 1], [0, 5, 0, 0, 3], [130, 1, 2]])
 def test_one_token_empty_and_uneven_sequences(lengths):
     assert_matches(*packed(lengths, 2, 1, 32, torch.float32, CPU, 7), True)
+
+
+@INTERPRETED
+@pytest.mark.parametrize("causal", [True, False])
+def test_wide_rows_take_the_small_tiles_and_match(causal):
+    # float32 at d 128: 512-byte rows, the 32 x 32 tiles (portable.varlen.tiles)
+    from cs336_systems.attention.kernels.portable import varlen
+
+    assert varlen.tiles(torch.float32, 128)[:2] == (32, 32) and varlen.tiles(torch.bfloat16, 128)[:2] == (64, 64)
+    assert varlen.tiles(torch.bfloat16, 256)[:2] == (32, 32) and varlen.tiles(torch.float32, 256)[3] == 1
+    assert_matches(*packed([1, 45, 0, 70], 4, 2, 128, torch.float32, CPU, 9), causal)
 
 
 @INTERPRETED
@@ -125,3 +137,4 @@ def test_gpu_packed_documents_match_each_document_alone(dtype, causal):
     lengths = [1, 0, 700, 33, 2048, 5, 129]
     assert_matches(*packed(lengths, 8, 2, 64, dtype, torch.device("cuda"), 5), causal)
     assert_matches(*packed([300, 77], 4, 4, 128, dtype, torch.device("cuda"), 6), causal)
+    assert_matches(*packed([200, 1, 90], 4, 1, 256, dtype, torch.device("cuda"), 7), causal)

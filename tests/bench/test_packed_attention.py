@@ -42,3 +42,25 @@ def test_the_reference_treats_each_document_alone():
     (o,) = packed.reference(q, q, q, None, cu, causal=False)
     first = torch.softmax(q[:3, 0] @ q[:3, 0].T / 8 ** 0.5, -1) @ q[:3, 0]
     torch.testing.assert_close(o[:3, 0], first)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_reference_in_chunks_of_heads_matches_all_heads_at_once(monkeypatch, causal):
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(40, 3, 8, generator=g) for _ in range(4))
+    cu = torch.tensor([0, 1, 25, 40], dtype=torch.int32)
+    whole = packed.reference(q, k, v, do, cu, causal)
+    monkeypatch.setattr(packed, "REFERENCE_CHUNK_BYTES", 1)  # one head a chunk
+    for a, b in zip(packed.reference(q, k, v, do, cu, causal), whole, strict=True):
+        torch.testing.assert_close(a, b)
+    # and the chunks give what autograd over the documents written out gives
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    outs = []
+    for s, e in ((0, 1), (1, 25), (25, 40)):
+        scores = torch.einsum("qhd,khd->hqk", q64[s:e], k64[s:e]) / 8 ** 0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v64[s:e]))
+    o = torch.cat(outs)
+    for a, b in zip(whole, (o, *torch.autograd.grad(o, (q64, k64, v64), do.double())), strict=True):
+        torch.testing.assert_close(a, b.detach())

@@ -31,21 +31,33 @@ IMPLS = ("flash-varlen", "flex-document", "sdpa-nested", "flash-padded")
 MODES = ("forward", "forward-backward")
 
 
+REFERENCE_CHUNK_BYTES = 2 * 2**30  # float64 scores, probabilities and their gradient for one chunk of heads
+
+
 def reference(q, k, v, do, cu, causal: bool) -> list[torch.Tensor]:
-    """O (and dQ, dK, dV when ``do`` is given) in float64, each document computed alone."""
-    q64, k64, v64 = (t.detach().double().requires_grad_(do is not None) for t in (q, k, v))
-    outs = []
+    """O (and dQ, dK, dV when ``do`` is given) in float64, each document computed alone; q, k, v (total, H, d)
+    with as many K/V heads as query heads.  A long document's (H, L, L) float64 scores alone would not fit
+    (16 heads of 12k tokens: 17 GiB), so heads go in chunks of about REFERENCE_CHUNK_BYTES, each chunk's
+    gradients taken before the next."""
+    backward = do is not None
+    outs = [torch.empty(t.shape, dtype=torch.float64, device=t.device) for t in ((q, q, k, v) if backward else (q,))]
+    heads = q.shape[1]
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qq, kk, vv = (t[start:end].transpose(0, 1) for t in (q64, k64, v64))
-        scores = qq @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
-        if causal:
-            scores = scores.masked_fill(torch.ones(end - start, end - start, dtype=torch.bool,
-                                                   device=q.device).triu(1), float("-inf"))
-        outs.append((scores.softmax(-1) @ vv).transpose(0, 1))
-    o = torch.cat(outs)
-    if do is None:
-        return [o.detach()]
-    return [o.detach(), *torch.autograd.grad(o, (q64, k64, v64), do.double())]
+        n = end - start
+        chunk = max(1, min(heads, REFERENCE_CHUNK_BYTES // (3 * 8 * n * n)))
+        for h in (slice(h0, h0 + chunk) for h0 in range(0, heads, chunk)):
+            qq, kk, vv = (t[start:end, h].detach().double().transpose(0, 1).requires_grad_(backward)
+                          for t in (q, k, v))
+            scores = qq @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+            if causal:
+                scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            o = scores.softmax(-1) @ vv
+            outs[0][start:end, h] = o.detach().transpose(0, 1)
+            if backward:
+                grads = torch.autograd.grad(o, (qq, kk, vv), do[start:end, h].double().transpose(0, 1))
+                for out, grad in zip(outs[1:], grads):
+                    out[start:end, h] = grad.transpose(0, 1)
+    return outs
 
 
 def _function(impl: str, cu: torch.Tensor, lengths: list[int], causal: bool) -> Callable:

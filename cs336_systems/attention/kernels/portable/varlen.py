@@ -12,8 +12,8 @@ head) slice: grid (cdiv(max_q, BLOCK_M), B * H) for the forward and dQ, (cdiv(ma
 for dK/dV; a program past its sequence's end returns at once, so no work crosses a sequence boundary and
 none is spent on padding.  Causal masking is aligned at each sequence's first token (query i of a sequence
 sees its keys j <= i), the dense path's convention.  Pointer loads only (a tensor descriptor would span
-every sequence), one tile configuration (`TILES`), no key splits: the packed-documents benchmark is what
-tunes this.
+every sequence), tiles sized by a row's bytes only (`tiles`), no key splits: the packed-documents
+benchmark is what tunes this.
 """
 
 from __future__ import annotations
@@ -35,7 +35,18 @@ from cs336_systems.attention.kernels.portable.kernels import (
 from cs336_systems.attention.kernels.portable.launch import precision
 
 LOG2E = 1.4426950408889634
-TILES = {"fwd": (64, 64, 4), "dq": (64, 64, 4), "dkdv": (64, 64, 4)}  # (BLOCK_M, BLOCK_N, warps)
+ROW_BYTES_FULL_TILES = 256  # 16-bit d <= 128, float32 d <= 64: 64 x 64 tiles, Triton's default pipelining
+
+
+def tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for every varlen kernel.  Shared memory grows with a tile row's
+    bytes (element size x padded head dim) times the pipelined K/V (or Q/dO) stages: 64 x 64 tiles at three
+    stages need about 256 KB once a row is 512 bytes (float32 at d 128, 16-bit at d 256), past the 227 KB
+    an H100 program may take; 32 x 32 tiles at two stages (one past 512 bytes) stay under 100 KB."""
+    row = torch.empty((), dtype=dtype).element_size() * _block_d(head_dim)
+    if row <= ROW_BYTES_FULL_TILES:
+        return 64, 64, 4, 3
+    return 32, 32, 4, 2 if row <= 2 * ROW_BYTES_FULL_TILES else 1
 
 
 @triton.jit
@@ -219,13 +230,13 @@ def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool):
     batch = cu_q.shape[0] - 1
     o = torch.empty_like(q)
     lse = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
-    block_m, block_n, warps = TILES["fwd"]
+    block_m, block_n, warps, stages = tiles(q.dtype, d)
     if batch and max_q:
         varlen_fwd_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, lse, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             o.stride(0), o.stride(1), total_q, heads, group, LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision(q.dtype),
-            BLOCK_D=_block_d(d), num_warps=warps)
+            BLOCK_D=_block_d(d), num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -237,20 +248,19 @@ def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     dots, block_d = precision(q.dtype), _block_d(d)
+    block_m, block_n, warps, stages = tiles(q.dtype, d)
     if batch and max_q:
-        block_m, block_n, warps = TILES["dq"]
         varlen_dq_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, do, lse, delta, dq, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
             total_q, heads, group, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dots, BLOCK_D=block_d,
-            num_warps=warps)
+            num_warps=warps, num_stages=stages)
     if batch and max_k:
-        block_m, block_n, warps = TILES["dkdv"]
         varlen_dkdv_kernel[(triton.cdiv(max_k, block_n), batch * k.shape[1])](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
             dv.stride(1), total_q, heads, group, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dots, BLOCK_D=block_d,
-            num_warps=warps)
+            num_warps=warps, num_stages=stages)
     return dq, dk, dv
