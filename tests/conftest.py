@@ -157,6 +157,8 @@ PERF_SESSION_IMPORTS = (
     "cs336_systems.parallel.launch",
     "cs336_systems.reporting.baseline",
     "cs336_systems.reporting.gates",
+    "cs336_systems.reporting.significance",  # --perf-gate: scipy.stats, whose extensions load once
+    "scipy.stats",
 )
 
 

@@ -21,8 +21,8 @@ What a baseline guarantees.  Merging refuses:
   unless ``--allow-partial``;
 * a case that two of the runs measured (which one is the baseline would depend on the files' order), unless
   ``--later-wins``;
-* an interrupted run (selected cases it did not time: ``perf_not_timed``), a case without statistics, and
-  statistics that are not finite numbers >= 0.
+* an interrupted run (selected cases it did not time: ``perf_not_timed``, other than those skipped on purpose
+  as unsupported), a case without statistics, and statistics that are not finite numbers >= 0.
 
 Each case keeps its per-round times (``stats.data``, rounded to four significant digits) where its run kept
 them: the statistical gate (``--perf-gate``, `reporting.significance`) tests them.  The baseline records the
@@ -82,14 +82,18 @@ def run_groups(run: dict) -> list[str]:
 
 def check_run(run: dict, source: str, allow_dirty: bool = False) -> None:
     """ValueError unless ``run`` can go into a baseline: timed cases, each with statistics that are finite
-    numbers >= 0, no selected case left untimed (an interrupted run: ``perf_not_timed``), and a clean commit
+    numbers >= 0, no selected case left untimed (an interrupted run: ``perf_not_timed``; a case skipped as
+    unsupported is not one), and a clean commit
     unless ``allow_dirty``."""
     if not run.get("benchmarks"):
         raise ValueError(f"{source}: no benchmarks; a baseline made from it would make later comparisons pass "
                          "with nothing compared")
     for record in run["benchmarks"]:
         check_stats(source, _name(record), record.get("stats"))
-    not_timed = run.get("perf_not_timed") or []
+    # A case skipped on purpose (an implementation that cannot take it: "skipped: <why>") is not timed on any
+    # run of its code, so no comparison misses it; one that failed or never ran makes the run incomplete.
+    not_timed = [r for r in run.get("perf_not_timed") or []
+                 if not (isinstance(r, dict) and str(r.get("reason", "")).startswith("skipped: "))]
     if not_timed:
         listed = ", ".join(str(r.get("name", r)) if isinstance(r, dict) else str(r) for r in not_timed[:3])
         raise ValueError(f"{source}: {len(not_timed)} selected case(s) were not timed (an interrupted or failing "

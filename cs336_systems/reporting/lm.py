@@ -10,7 +10,8 @@ Tables for the end-to-end suites:
 
 Runs saved before the end-to-end suite had an implementation axis measured our own model: an entry without
 ``impl`` counts as "own"; and before it had an optimizer axis, torch's AdamW: no ``optimizer`` counts as
-"adamw".  Tables split by optimizer wherever a run measured several (`optimizer_of`).
+"adamw".  Tables split by optimizer wherever a run measured several (`optimizer_of`), and by the later axes
+(`tables.LM_AXIS_DEFAULTS`: float8 Linear layers, packed documents), which pair only like with like.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 from cs336_systems.bench.workloads.lm import DEFAULT_IMPL as OWN
 from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
 from cs336_systems.reporting.tables import (
+    CROSS_RUN_MARK,
+    LM_AXIS_DEFAULTS,
     LM_FIELDS,
     MODE_ORDER,
     cell_time,
@@ -57,11 +60,11 @@ def end_to_end_tables(entries: list[dict]) -> str:
     def variant(e: dict) -> tuple:
         # "compile": False, True or CUDA_GRAPHS (load_entries normalizes CUDA-graph cases)
         return (impl_of(e), e.get("precision"), e.get("compile") or False, e.get("attention"), e.get("batch_size"),
-                optimizer_of(e))
+                optimizer_of(e), *(e.get(axis) for axis in LM_AXIS_DEFAULTS))
 
-    for impl, precision, compiled, attention, batch, optimizer in sorted(
+    for impl, precision, compiled, attention, batch, optimizer, *axes in sorted(
             {variant(e) for e in lm}, key=lambda v: (v[0] != OWN, v[5] != DEFAULT_OPTIMIZER, str(v))):
-        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch, optimizer)]
+        subset = [e for e in lm if variant(e) == (impl, precision, compiled, attention, batch, optimizer, *axes)]
         modes = [m for m in MODE_ORDER if any(e.get("mode") == m for e in subset)]
         cells = {(e["size"], e["context"], e["mode"]): e for e in subset}
         header = ["size", "context"]
@@ -87,6 +90,9 @@ def end_to_end_tables(entries: list[dict]) -> str:
         title = f"### End-to-end{which}: {precision}, {compile_label(compiled)}, attention={attention}, batch={batch}"
         if optimizer != DEFAULT_OPTIMIZER:
             title += f", optimizer={optimizer}"
+        for (axis, default), value in zip(LM_AXIS_DEFAULTS.items(), axes):
+            if value not in (default, None):
+                title += f", {axis}={value}"
         out.append(title + "\n\n" + md_table(header, rows))
     return "\n\n".join(out)
 
@@ -101,13 +107,14 @@ def baseline_table(entries: list[dict]) -> str:
         return ""
     rows = []
     own_optimizers = sorted({optimizer_of(e) for e in lm if impl_of(e) == OWN}, key=lambda o: (o != DEFAULT_OPTIMIZER, o))
+    axes = [axis for axis in LM_AXIS_DEFAULTS if len({e.get(axis) for e in lm}) > 1]  # columns where they vary
     for hf in sorted(baselines, key=lambda e: (size_order(e), MODE_ORDER.index(e["mode"]) if e.get("mode") in MODE_ORDER
                                               else len(MODE_ORDER), str(e.get("precision")), bool(e.get("compile")),
-                                              optimizer_of(e))):
-        key = tuple(hf.get(f) for f in LM_FIELDS)
+                                              optimizer_of(e), *(str(e.get(axis)) for axis in axes))):
+        key = tuple(hf.get(f) for f in (*LM_FIELDS, *LM_AXIS_DEFAULTS))
         # one row per optimizer our model ran this case with (HF's optimizer is its own column)
         for optimizer in own_optimizers:
-            twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in LM_FIELDS) == key
+            twins = [e for e in lm if impl_of(e) == OWN and tuple(e.get(f) for f in (*LM_FIELDS, *LM_AXIS_DEFAULTS)) == key
                      and optimizer_of(e) == optimizer]
             if not twins and optimizer != DEFAULT_OPTIMIZER:
                 continue
@@ -116,10 +123,10 @@ def baseline_table(entries: list[dict]) -> str:
             own_ms, hf_ms = stat_ms(own), stat_ms(hf)
             rows.append([str(hf.get("size")), str(hf.get("context")), str(hf.get("batch_size")), str(hf.get("mode")),
                          str(hf.get("precision")), compile_label(hf.get("compile")), str(hf.get("attention")),
-                         optimizer, optimizer_of(hf),
+                         *(str(hf.get(axis)) for axis in axes), optimizer, optimizer_of(hf),
                          fmt(own_ms, ".2f") if own_ms else cell_time(own), fmt(hf_ms, ".2f") if hf_ms else cell_time(hf),
                          fmt(ratio, ".2f"), _mfu_cell(own), _mfu_cell(hf)])
-    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", "own optimizer",
+    header = ["size", "context", "batch", "mode", "precision", "compile", "attention", *axes, "own optimizer",
               "HF optimizer", "own median ms", "HF median ms", "own / HF", "own MFU", "HF MFU"]
     return (f"### Own model vs {HF} ({IMPL_TITLES[HF]})\n\n" + md_table(header, rows)
             + "\n\nown / HF: our median over the baseline's, same saved run only (\"-\" where either is missing or "
@@ -131,11 +138,12 @@ def comparison_table(entries: list[dict], field: str, baseline, variant, title: 
     implementation and optimizer; their columns show only when the entries measured several."""
     lm = [{**e, "impl": impl_of(e), "optimizer": optimizer_of(e)} for e in entries if e.get("test") == "test_end_to_end"]
     shown = [f for f in LM_FIELDS if f != field]
-    variants = [k for k in ("impl", "optimizer") if len({e[k] for e in lm}) > 1]
+    axes = [axis for axis in LM_AXIS_DEFAULTS if axis != field]
+    variants = [k for k in ("impl", "optimizer", *axes) if len({e.get(k) for e in lm}) > 1]
     others = variants + shown
-    keys = ["impl", "optimizer", *shown]
+    keys = ["impl", "optimizer", *axes, *shown]
     index = {(tuple(e.get(f) for f in keys), e.get(field)): e for e in lm}
-    rows = []
+    rows, crossed = [], False
     for (rest, value), base in sorted(index.items(), key=lambda kv: (size_order(kv[1]), str(kv[0]))):
         if value != baseline or (rest, variant) not in index:
             continue
@@ -144,12 +152,17 @@ def comparison_table(entries: list[dict], field: str, baseline, variant, title: 
         case = dict(zip(keys, rest))
         label = [str(case.get(f)) if f != "compile" else compile_label(case.get(f)) for f in others]
         speedup = f"{b / v:.2f}x" if b and v else "-"
+        if b and v and base.get("run") != other.get("run"):
+            speedup += CROSS_RUN_MARK
+            crossed = True
         rows.append(label + [fmt(b, ".2f") if b else cell_time(base),
                              fmt(v, ".2f") if v else cell_time(other), speedup])
     if not rows:
         return ""
     header = list(others) + [f"{baseline} median ms", f"{variant} median ms", f"speedup {variant}/{baseline}"]
-    return f"### {title}\n\n" + md_table(header, rows)
+    note = (f"\n\n{CROSS_RUN_MARK}: the two cases come from different saved runs (times drift between runs; "
+            "compare within one run)." if crossed else "")
+    return f"### {title}\n\n" + md_table(header, rows) + note
 
 
 def warmup_table(entries: list[dict]) -> str:

@@ -19,6 +19,10 @@ from cs336_systems.bench.workloads.lm import DEFAULT_OPTIMIZER
 from cs336_systems.reporting.run_files import check_stats, read_run
 
 LM_FIELDS = ("size", "context", "batch_size", "mode", "precision", "compile", "attention")
+# End-to-end axes added after runs were saved (the Linear layers' GEMM precision, packed documents): an entry
+# saved before one existed measured its default.  Tables key and split on them; columns show them only where
+# the entries vary.
+LM_AXIS_DEFAULTS = {"linear_precision": "bf16", "packing": "none"}
 
 
 MEASURED_BY = ("flush_l2", "timing")  # how an attention case was timed: sweeps get one table/plot per value
@@ -80,8 +84,10 @@ def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
         data = read_run(path)
         machines.append(data["machine_info"]["cs336_systems"] | {"file": str(path), "commit": commit_label(data)})
         for bench in data.get("benchmarks", []):
-            entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path)}
+            entry = {**bench.get("extra_info", {}), "test": bench.get("name", "").split("[")[0], "run": str(path),
+                     "measured": str(data.get("datetime") or "")}
             _compile_mode(entry)
+            _lm_axis_defaults(entry)
             entry["status"] = entry.get("status", "ok")
             entry["stats"] = bench.get("stats", {})
             check_stats(path, bench.get("name", "?"), entry["stats"])
@@ -89,8 +95,10 @@ def load_entries(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
                 entry.setdefault("timing", "host")
             entries.append(entry)
         for oom in data.get("oom", []):
-            entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0], "run": str(path)}
+            entry = {**oom.get("extra_info", {}), "test": oom.get("name", "").split("[")[0], "run": str(path),
+                     "measured": str(data.get("datetime") or "")}
             _compile_mode(entry)
+            _lm_axis_defaults(entry)
             entry.update(status="oom", stats={}, error=oom.get("error"))
             if entry["test"] in ATTENTION_TESTS:
                 entry.setdefault("timing", "host")
@@ -108,11 +116,22 @@ def _compile_mode(entry: dict) -> None:
         entry["compile"] = CUDA_GRAPHS
 
 
+def _lm_axis_defaults(entry: dict) -> None:
+    """An end-to-end entry without a later axis measured its default (LM_AXIS_DEFAULTS)."""
+    if entry.get("test") == "test_end_to_end":
+        for axis, default in LM_AXIS_DEFAULTS.items():
+            if entry.get(axis) is None:
+                entry[axis] = default
+
+
 def latest_entries(entries: list[dict]) -> list[dict]:
-    """One entry per case: the last one in ``entries`` (later runs override earlier ones)."""
+    """One entry per case: the newest run's (its saved ``datetime``; between runs measured at the same time, or
+    without one, the later in ``entries``), whatever order the files were named in."""
     by_case: dict[tuple, dict] = {}
     for entry in entries:
-        by_case[case_key(entry)] = entry
+        key = case_key(entry)
+        if key not in by_case or entry.get("measured", "") >= by_case[key].get("measured", ""):
+            by_case[key] = entry
     return list(by_case.values())
 
 
@@ -130,7 +149,7 @@ def case_key(entry: dict) -> tuple:
     # An LM entry saved before the optimizer axis ran torch's AdamW: the same case as "adamw" now.
     optimizer = (entry.get("optimizer") or DEFAULT_OPTIMIZER) if "size" in entry else None
     return (entry.get("test"), warmup, optimizer) + tuple(
-        entry.get(f) for f in (*LM_FIELDS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
+        entry.get(f) for f in (*LM_FIELDS, *LM_AXIS_DEFAULTS, "checkpoint", *ATTENTION_FIELDS, *DIST_FIELDS)
     )
 
 

@@ -125,6 +125,18 @@ def test_an_interrupted_run_is_refused():
     run["perf_not_timed"] = [{"name": "b", "reason": "not run (the session ended first)"}]
     with pytest.raises(ValueError, match=r"x.json: 1 selected case\(s\) were not timed .*: b\); re-run"):
         baseline.check_run(run, "x.json")
+    run["perf_not_timed"] = [{"name": "c", "reason": "failed: AssertionError: o is off"}]
+    with pytest.raises(ValueError, match=r"1 selected case\(s\) were not timed .*: c\)"):
+        baseline.check_run(run, "x.json")
+
+
+def test_a_case_skipped_as_unsupported_does_not_make_a_run_incomplete():
+    run = _run_json("H100", [("a", 1.0)])
+    run["perf_not_timed"] = [{"name": "b", "reason": "skipped: SDPA on nested tensors refuses is_causal"}]
+    baseline.check_run(run, "x.json")
+    run["perf_not_timed"].append({"name": "c", "reason": "not run (the session ended first)"})
+    with pytest.raises(ValueError, match=r"1 selected case\(s\) were not timed .*: c\)"):
+        baseline.check_run(run, "x.json")
 
 
 def test_merge_keeps_each_cases_latest_outcome_timed_or_oom():
