@@ -11,6 +11,10 @@
   compare       two saved runs side by side
   gates         the in-run ratio gates of benchmarks.json (`python -m cs336_systems.gates`)
   baseline      committed per-GPU baselines (`python -m cs336_systems.baseline`)
+  significance  the statistical gate's decision on two runs' per-round samples (`--perf-gate`)
+  calibration   the gate's false alarms and power on a runner: A/A and A/B sessions
+                (`python -m cs336_systems.reporting.calibration`)
+  history       headline cases across the saved runs in commit order
 
 The top layer: it reads the bench layer's JSON and may use tools.accounting's analytic models; nothing
 below imports it.

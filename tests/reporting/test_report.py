@@ -75,6 +75,42 @@ def test_later_runs_override_earlier_and_cli_writes_file(tmp_path):
     assert "20.00 ± 0.20" in text and "10.00 ± 0.10" not in text
 
 
+def test_the_newest_run_wins_whatever_order_the_files_are_named_in(tmp_path):
+    newer = _run(tmp_path, "a.json", [_bench("small", 128, "forward", "fp32", False, 0.020)])
+    older = _run(tmp_path, "b.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])
+    for path, when in ((newer, "2026-12-02T10:00:00+00:00"), (older, "2026-11-02T10:00:00+00:00")):
+        data = json.loads(path.read_text())
+        data["datetime"] = when
+        path.write_text(json.dumps(data))
+    text = report.render([newer, older])
+    assert "20.00 ± 0.20" in text and "10.00 ± 0.10" not in text
+
+
+def test_float8_and_packed_cases_get_their_own_tables_and_pair_only_like_with_like(tmp_path):
+    def case(median_s, impl=None, linear=None, packing=None):
+        bench = _bench("xl", 512, "train-step", "bf16", True, median_s)
+        bench["extra_info"].update({k: v for k, v in (("impl", impl), ("linear_precision", linear),
+                                                      ("packing", packing)) if v})
+        return bench
+
+    older = _run(tmp_path, "a.json", [case(0.100)])  # saved before the axes: bf16, not packed
+    run = _run(tmp_path, "b.json", [case(0.080, linear="fp8-tensorwise"), case(0.120, "hf-llama", "fp8-tensorwise"),
+                                    case(0.090, packing="packed"), case(0.200, packing="padded")])
+    text = report.render([older, run])
+    own_bf16 = _section(text, "End-to-end: bf16, compiled, attention=sdpa, batch=4")
+    assert "| xl | 512 | 100.00 ± 1.00 |" in own_bf16 and "80.00" not in own_bf16
+    assert "| xl | 512 | 80.00 ± 0.80 |" in _section(
+        text, "End-to-end: bf16, compiled, attention=sdpa, batch=4, linear_precision=fp8-tensorwise")
+    assert "| xl | 512 | 90.00 ± 0.90 |" in _section(
+        text, "End-to-end: bf16, compiled, attention=sdpa, batch=4, packing=packed")
+    versus = _section(text, "Own model vs hf-llama")
+    # HF's float8 step pairs with ours in float8 (same run: a ratio), never with our bf16 one
+    assert "| fp8-tensorwise | none | adamw | adamw | 80.00 | 120.00 | 0.67 |" in versus
+    speedup = _section(text, "bf16 vs float8 (tensorwise) Linear layers")
+    assert "| 100.00 | 80.00 | 1.25x† |" in speedup and "different saved runs" in speedup
+    assert "| 200.00 | 90.00 | 2.22x |" in _section(text, "documents padded vs packed")
+
+
 def test_cli_bad_inputs_and_outputs_are_messages_not_tracebacks(tmp_path, capsys):
     good = _run(tmp_path, "good.json", [_bench("small", 128, "forward", "fp32", False, 0.010)])
     bad = {"empty.json": "", "list.json": "[]", "object.json": "{}", "latin1.json": b"\xff\xfe",
