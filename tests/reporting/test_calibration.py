@@ -29,7 +29,7 @@ def _rounds(rng, median_ms, n=30, noise=0.01):
 
 def test_variants_name_registered_switches_with_valid_values():
     assert cal.parse_variant("fused-off:CS336_FLASH_FUSED_BWD=0") == ("fused-off", {"CS336_FLASH_FUSED_BWD": "0"})
-    for bad, match in (("fused-off", "label:NAME=VALUE"), ("x:CS336_FLASH_NOPE=1", "not NAME=VALUE of a registered"),
+    for bad, match in (("fused-off", "label:NAME=VALUE"), ("x:CS336_FLASH_TYPO=1", "not NAME=VALUE of a registered"),
                        ("x:CS336_FLASH_FUSED_BWD=2", "must be one of"), ("a2:CS336_FLASH_FUSED_BWD=0", "not a<number>")):
         with pytest.raises(ValueError, match=match):
             cal.parse_variant(bad)
