@@ -52,6 +52,12 @@ def unavailable_reason(precision: str, device: torch.device | str) -> str | None
     return None
 
 
+def first_unavailable(precisions: list[str], device: torch.device | str) -> str | None:
+    """`unavailable_reason` of the first of ``precisions`` that cannot train on ``device`` (None if all can):
+    what a tool checks before it spends time on any of them."""
+    return next((r for r in (unavailable_reason(p, device) for p in precisions) if r is not None), None)
+
+
 def convert_linears(model: nn.Module, precision: str, *, emulate: bool | None = None) -> list[str]:
     """Swap the model's eligible Linear layers for torchao's Float8Linear (module docstring); returns the
     converted modules' names.  "bf16" converts nothing.  ValueError where `unavailable_reason` says why."""

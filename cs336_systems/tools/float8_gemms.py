@@ -151,13 +151,11 @@ def count(size: str, *, tokens: int, device: torch.device, precisions: list[str]
 def _parse_steps(text: str | None) -> dict[str, float]:
     steps = {}
     for item in filter(None, (text or "").split(",")):
-        size, sep, ms = item.partition("=")
+        size, _, ms = item.partition("=")
         try:
             steps[size.strip()] = float(ms)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise ValueError(f"--step-ms: expected size=milliseconds, got {item!r}")
+        except ValueError:  # no "=" leaves ms empty
+            raise ValueError(f"--step-ms: expected size=milliseconds, got {item!r}") from None
     return steps
 
 
@@ -202,11 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     device = torch.device(args.device)
-    for precision in precisions:
-        reason = float8.unavailable_reason(precision, device)
-        if reason is not None:
-            print(f"error: {reason}", file=sys.stderr)
-            return 2
+    reason = float8.first_unavailable(precisions, device)
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
     results = [count(size, tokens=args.tokens, device=device, precisions=precisions, compile=not args.eager,
                      warmup=args.warmup, rounds=args.rounds) for size in sizes]
     for result in results:

@@ -121,11 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2 * args.window:
         parser.error(f"--steps {args.steps} must be at least twice --window {args.window}")
     device = torch.device(args.device)
-    for precision in precisions:
-        reason = float8.unavailable_reason(precision, device)
-        if reason is not None:
-            print(f"error: {reason}", file=sys.stderr)
-            return 2
+    reason = float8.first_unavailable(precisions, device)
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
     data, source = stdlib_bytes(args.data_bytes)
     runs = []
     for precision in precisions:
