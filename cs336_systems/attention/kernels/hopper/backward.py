@@ -200,8 +200,8 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr, DQ_N: gl.cons
 @gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-              group, W: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+              group, W: gl.constexpr, CAUSAL: gl.constexpr, RAGGED_KEYS: gl.constexpr,
+              NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Keys start_n + 64 W .. + 64: dK and dV, and this consumer's (64, 64) part of every step's dQ (rows
     64 W .. + 64 at d 64, columns at d 128; module docstring)."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -229,8 +229,9 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
     # keys past Nk are zero-filled: their scores are 0 and exp(-L) could overflow the input dtype (L very
-    # negative), and dQ would then take inf x 0 from their zero K rows: the last key block masks them
-    ragged_keys = start_blk + _BLOCK_N > n_k
+    # negative), and dQ would then take inf x 0 from their zero K rows: the last key block masks them.  A
+    # constexpr, so that Nk a multiple of 128 compiles none of it (docs/flash-attention-experiments.md,
+    # Section 16)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_iter):
         stage = t % NUM_STAGES
@@ -245,12 +246,16 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         lse = lse_buf.index(stage).load(col_layout)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_s))[0]
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-        need_mask = (rel >= full_end) | ragged_keys
+        need_mask = rel >= full_end
+        if RAGGED_KEYS:
+            need_mask = need_mask | (start_blk + _BLOCK_N > n_k)
         if CAUSAL:
             need_mask = need_mask | (rel < diag_tiles)
         if need_mask:
             cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = gl.expand_dims(cols < n_q, 0) & gl.expand_dims(keys < n_k, 1)
+            visible = gl.expand_dims(cols < n_q, 0)
+            if RAGGED_KEYS:
+                visible = visible & gl.expand_dims(keys < n_k, 1)
             if CAUSAL:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(visible, p_t, 0.0)
@@ -298,8 +303,8 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
 @gluon.jit
 def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
                             qk_scale, n_q, n_k, heads, kv_heads, group, CAUSAL: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            WORKER_REGS: gl.constexpr):
+                            RAGGED_KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
@@ -340,10 +345,10 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 0, CAUSAL, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 0, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 1, CAUSAL, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 1, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
                      empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, NUM_STAGES, BLOCK_M)),
         (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL, BLOCK_M, HEAD_DIM)),
@@ -407,7 +412,8 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
         _accumulator_descriptor(dqa, 64 if block_m == 128 else d // 2),
         lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
         heads // kv_heads,
-        CAUSAL=causal, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES, CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1],
+        CAUSAL=causal, RAGGED_KEYS=k.shape[-2] % BLOCK_N != 0, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES,
+        CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1],
         num_warps=4, maxnreg=MAXNREG,
     )
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
