@@ -3,7 +3,8 @@
 Per GPU kind (results/<gpu>/): the newest saved pytest-benchmark run of each suite (*.json), the rendered
 report and a README (*.md), plots (plots/*.png), the regression baseline (baselines/<machine id>/NNNN_*.json),
 and under experiments/ the same-run A/B runs (ab-*.json) that back measured claims in docs/, with an index
-(experiments/README.md: file, claim, doc section).  No scripts, logs or profiler captures; the folder stays
+(experiments/README.md: file, claim, doc section), and under gate-validation/ the statistical gate's
+calibration runs (``<group>--<label>.json`` and their ``calibration.json``).  No scripts, logs or profiler captures; the folder stays
 small enough to clone without noticing (8 MiB: the newest suite runs keep their per-round samples, which the
 statistical gate tests, at about 2 KB a case of 100 rounds).  The runs the README's
 results block shows for a single-GPU kind name a clean commit, so each number traces to code.
@@ -38,6 +39,10 @@ def kind(path: Path) -> str | None:
         if len(parts) == 3 and path.suffix == ".json":
             return "run" if parts[2].startswith("ab-") else "probe" if parts[2].startswith("probe-") else None
         return None
+    if parts[1] == "gate-validation":  # the statistical gate's calibration (reporting.calibration run)
+        if len(parts) == 3 and parts[2] == "calibration.json":
+            return "manifest"
+        return "run" if len(parts) == 3 and re.fullmatch(r"[\w.-]+--[\w-]+\.json", parts[2]) else None
     if parts[1] == "baselines":
         return "baseline" if len(parts) == 4 and re.fullmatch(r"\d{4}_\w+\.json", parts[3]) else None
     if len(parts) == 2 and path.suffix == ".md":
