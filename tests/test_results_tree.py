@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.reporting import readme_block
+from cs336_systems.reporting import calibration, readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -40,9 +40,10 @@ def kind(path: Path) -> str | None:
             return "run" if parts[2].startswith("ab-") else "probe" if parts[2].startswith("probe-") else None
         return None
     if parts[1] == "gate-validation":  # the statistical gate's calibration (reporting.calibration run)
-        if len(parts) == 3 and parts[2] == "calibration.json":
+        if len(parts) == 3 and parts[2] == calibration.MANIFEST:
             return "manifest"
-        return "run" if len(parts) == 3 and re.fullmatch(r"[\w.-]+--[\w-]+\.json", parts[2]) else None
+        group, sep, label = path.stem.partition(calibration.SEPARATOR)
+        return "run" if len(parts) == 3 and path.suffix == ".json" and group and sep and label else None
     if parts[1] == "baselines":
         return "baseline" if len(parts) == 4 and re.fullmatch(r"\d{4}_\w+\.json", parts[3]) else None
     if len(parts) == 2 and path.suffix == ".md":
