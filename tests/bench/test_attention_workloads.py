@@ -168,6 +168,87 @@ def test_a_single_zeroed_gradient_row_fails_the_accuracy_check(grad):
         attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode="forward-backward", dtype="bf16")
 
 
+# --- the timed path is the checked path: later calls and graph replays are checked too ---------------------
+def _wrong_after(calls: int, when=lambda: True):
+    """naive attention whose output loses its last row from call ``calls`` + 1 on, while ``when()``."""
+    count = [0]
+
+    def fn(q, k, v, is_causal=False):
+        count[0] += 1
+        out = attention.get("naive").fn(q, k, v, is_causal=is_causal)
+        if count[0] > calls and when():
+            out = torch.cat([out[..., :-1, :], out[..., -1:, :] * 0], dim=-2)
+        return out
+
+    return fn
+
+
+def test_a_wrong_repeated_call_fails_the_accuracy_check():
+    """Right on the first call (the one that compiles, autotunes and records launches), wrong on the next:
+    the rounds that are timed."""
+    q, k, v, do = attention_workloads.random_inputs((1, 512, 32), torch.float16, torch.device("cpu"), requires_grad=True)
+    with pytest.raises(AccuracyError, match=r"repeat call\) is less accurate than allowed: o row 511 of 512"):
+        attention_workloads.check_accuracy(_wrong_after(1), q, k, v, do, causal=True, mode="forward-backward",
+                                           dtype="fp16")
+    result = attention_workloads.check_accuracy(_wrong_after(2), q, k, v, do, causal=True, mode="forward-backward",
+                                                dtype="fp16")
+    assert result["accuracy_calls"] == "first+repeat" and result["accuracy_ratio"] < 0.6
+
+
+def _fake_capture(replays: list):
+    """A stand-in for harness.capture_cuda_graph on the CPU: the capture runs the step once; the "replay"
+    runs it again (or does nothing, for ``replays=[False]``), counting in ``replays``."""
+
+    def capture(step, device):
+        step()
+
+        def replay():
+            if replays.pop(0):
+                step()
+
+        return replay
+
+    return capture
+
+
+def test_graph_timing_checks_a_graph_replayed_call():
+    q, k, v, do = attention_workloads.random_inputs((1, 512, 32), torch.float16, torch.device("cpu"), requires_grad=True)
+    common = dict(causal=True, mode="forward-backward", dtype="fp16", timing="graph")
+    result = attention_workloads.check_accuracy(_wrong_after(4), q, k, v, do, capture=_fake_capture([True]), **common)
+    assert result["accuracy_calls"] == "first+repeat+graph-replay"
+    # calls 1, 2 eager, 3 captured, 4 replayed: a replay that computes the wrong thing
+    with pytest.raises(AccuracyError, match=r"graph-replay call\) is less accurate than allowed: o row 511"):
+        attention_workloads.check_accuracy(_wrong_after(3), q, k, v, do, capture=_fake_capture([True]), **common)
+    # a replay that writes nothing leaves the NaN the outputs were filled with before it
+    with pytest.raises(AccuracyError, match=r"graph-replay call\) is less accurate than allowed"):
+        attention_workloads.check_accuracy(_wrong_after(9), q, k, v, do, capture=_fake_capture([False]), **common)
+
+
+def test_bad_timing_is_refused_before_any_call():
+    q, k, v, do = attention_workloads.random_inputs((1, 16, 8), torch.float32, torch.device("cpu"), requires_grad=False)
+    fn = _wrong_after(0)  # would fail the check if it ran
+    with pytest.raises(ValueError, match="unknown timing 'cudagraph'"):
+        attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode="forward", dtype="fp32", timing="cudagraph")
+    with pytest.raises(ValueError, match="timing 'graph' captures a CUDA graph; the inputs are on cpu"):
+        attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode="forward", dtype="fp32", timing="graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["forward", "forward-backward"])
+def test_a_wrong_graph_replay_fails_the_accuracy_check_on_cuda(mode):
+    """The real capture (harness.capture_cuda_graph): flash-triton's replays pass; an implementation that
+    is right eagerly and drops the last row only inside a CUDA graph fails."""
+    step = attention_step(impl="flash-triton", batch_size=1, heads=2, seq_len=1024, head_dim=64, dtype="bf16",
+                          causal=True, mode=mode, timing="graph", device="cuda")
+    assert step.metrics["accuracy_calls"] == "first+repeat+graph-replay"
+    assert step.metrics["accuracy_ratio"] < 0.6
+    q, k, v, do = attention_workloads.random_inputs((1, 2, 1024, 64), torch.bfloat16, torch.device("cuda"),
+                                                    requires_grad=mode != "forward")
+    fn = _wrong_after(0, when=torch.cuda.is_current_stream_capturing)
+    with pytest.raises(AccuracyError, match=r"graph-replay call\) is less accurate than allowed: o row 1023"):
+        attention_workloads.check_accuracy(fn, q, k, v, do, causal=True, mode=mode, dtype="bf16", timing="graph")
+
+
 def test_zeroed_rows_spare_rows_whose_reference_is_zero_or_below_the_dtypes_range():
     ref = torch.tensor([[[1.0, -2.0], [1e-17, 0.0], [0.0, 0.0], [3e-5, 1e-5], [1e-7, 0.0]]], dtype=torch.float64)
     x = torch.tensor([[[1.0, -2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
@@ -309,7 +390,7 @@ def test_case_flops_and_step_arguments():
         4 * 2 * 128 * 128 * 64 * 2.5)
     assert attention_workloads.step_arguments(case) == dict(
         impl="naive", batch_size=2, heads=4, kv_heads=None, seq_len=128, head_dim=64, dtype="bf16", causal=True,
-        mode="forward-backward", compile=True, flash_options="")
+        mode="forward-backward", compile=True, flash_options="", timing="host")
     # grouped-query attention: the FLOPs are the query heads' (each K/V head serves its group)
     assert attention_workloads.case_flops(case | {"kv_heads": 1}) == expected
     assert attention_workloads.step_arguments(case | {"kv_heads": 2})["kv_heads"] == 2

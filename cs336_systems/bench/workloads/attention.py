@@ -15,10 +15,12 @@ Modes (`MODES`):
   "forward-backward"  forward and backward in one round.
 Gradients come from torch.autograd.grad, not .backward(): nothing accumulates into .grad between rounds.
 
-Before any timing, `attention_step` checks the implementation once in the case's mode (`check_accuracy`):
-the output, and dQ, dK, dV for the backward modes, by FlashAttention's rule (an implementation may be at
-most twice as wrong as PyTorch's own naive attention in the same dtype, plus a small floor), applied to
-each row against the magnitude of the rows around it:
+Before any timing, `attention_step` checks the implementation in the case's mode (`check_accuracy`) on
+the calls the rounds repeat: the first call, a second one (flash-triton's replayed launches, a compiled
+graph's cached path) and, for timing "graph", one replay of the call captured in a CUDA graph, its outputs
+filled with NaN before the replay.  Each call's output, and dQ, dK, dV for the backward modes, is held to
+FlashAttention's rule (an implementation may be at most twice as wrong as PyTorch's own naive attention in
+the same dtype, plus a small floor), applied to each row against the magnitude of the rows around it:
 
     ref: float64 attention of the same input values;  y: PyTorch's naive attention in the inputs' dtype
     rows r: the query rows of O and dQ, the key rows of dK and dV, in every batch*head slice
@@ -55,7 +57,9 @@ Recorded in the case's extra_info:
   ``accuracy_error``      max|x - ref| / max|ref| of the worst tensor (the whole-tensor relative error, as
                           reports show it; before the per-row rule this was the only check, against a
                           float32 reference);
-  ``accuracy_tolerance``  TOLERANCE[dtype], the whole-tensor bound on ``accuracy_error``.
+  ``accuracy_tolerance``  TOLERANCE[dtype], the whole-tensor bound on ``accuracy_error``;
+  ``accuracy_calls``      the calls checked ("first+repeat", "+graph-replay" for timing "graph"); the ratio
+                          and error above are the worst over them.
 
 The references (`reference`, in float64, and `naive_same_dtype`) are written here, independently of the
 registry: matmul, mask, softmax, matmul, over blocks of query rows so that the scores of one block stay
@@ -81,7 +85,7 @@ import torch
 
 from cs336_systems import attention
 from cs336_systems.attention.plan import FlashOptions
-from cs336_systems.bench import flops
+from cs336_systems.bench import flops, harness
 
 MODES = ("forward", "backward", "forward-backward")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -159,6 +163,7 @@ def step_arguments(case: dict) -> dict:
         impl=case["impl"], batch_size=case["batch_size"], heads=case.get("heads"), kv_heads=case.get("kv_heads"),
         seq_len=case["seq_len"], head_dim=case["head_dim"], dtype=case["dtype"], causal=case["causal"],
         mode=case["mode"], compile=case.get("compile", False), flash_options=case.get("flash_options", ""),
+        timing=case.get("timing", "host"),
     )
 
 
@@ -337,6 +342,39 @@ def row_allowance(naive: torch.Tensor, ref: torch.Tensor, dtype: str,
     return (NAIVE_FACTOR * naive_worst + FLOOR[dtype]) * scale + ABS_FLOOR[dtype] * top, naive_worst
 
 
+def _call_once(fn, q, k, v, grad_out, *, causal: bool, backward: bool) -> dict[str, torch.Tensor]:
+    """One call as the mode times it: {"o": output} and, for the backward modes, {"dq", "dk", "dv"}."""
+    with torch.set_grad_enabled(backward):
+        out = fn(q, k, v, is_causal=causal)
+        results = {"o": out.detach()}
+        if backward:
+            results.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad_out)))
+    return results
+
+
+def _graph_replayed_call(fn, q, k, v, grad_out, *, causal: bool, backward: bool,
+                         capture: Callable) -> dict[str, torch.Tensor]:
+    """The results of one replay of the call captured as timing="graph" captures its step (``capture``:
+    `harness.capture_cuda_graph`).  The captured outputs live in the graph's memory pool and are filled with
+    NaN before the replay, so a row the replay does not write fails the check; copies are returned and the
+    graph is released."""
+    holder: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        holder.clear()
+        holder.update(_call_once(fn, q, k, v, grad_out, causal=causal, backward=backward))
+
+    replay = capture(step, q.device)
+    for tensor in holder.values():
+        tensor.fill_(math.nan)
+    replay()
+    results = {key: tensor.clone() for key, tensor in holder.items()}
+    harness.synchronize(q.device)
+    holder.clear()
+    del replay
+    return results
+
+
 def check_accuracy(
     fn: Callable[..., torch.Tensor],
     q: torch.Tensor,
@@ -348,22 +386,30 @@ def check_accuracy(
     mode: str,
     dtype: str,
     impl: str = "impl",
+    timing: str = "host",
+    capture: Callable | None = None,
 ) -> dict:
-    """Run ``fn`` once as ``mode`` does and check it by the per-row rule and the whole-tensor bound (module
-    docstring); AccuracyError naming the worst row and tensor if it breaks either.
+    """Run ``fn`` as ``mode`` does and check each call by the per-row rule and the whole-tensor bound (module
+    docstring); AccuracyError naming the call, the worst row and tensor if one breaks either.
+
+    The calls checked are the ones the timed rounds repeat: the first call (Triton's JIT, autotuning,
+    torch.compile's tracing), a second one (what every later round runs: flash-triton's replayed launches,
+    the compiled graph's cached path) and, for ``timing="graph"``, one replay of the call captured in a CUDA
+    graph (``capture``, `harness.capture_cuda_graph` by default; injectable for tests).
 
     Returns {"accuracy_ratio": the worst row's error / allowance (<= 1), "accuracy_error": the worst
-    tensor's max|x - ref| / max|ref|, "accuracy_tolerance": TOLERANCE[dtype]}.  Raises `Unsupported` if
-    ``fn`` has no kernel for these inputs.
+    tensor's max|x - ref| / max|ref|, "accuracy_tolerance": TOLERANCE[dtype], "accuracy_calls": the calls
+    checked, "+"-joined}, the worst over the calls.  Raises `Unsupported` if ``fn`` has no kernel for these
+    inputs.
     """
     _check_mode(mode)
+    if timing not in harness.TIMINGS:
+        raise ValueError(f"unknown timing {timing!r}; valid: {', '.join(harness.TIMINGS)}")
+    if timing == "graph" and capture is None and q.device.type != "cuda":
+        raise ValueError(f"timing 'graph' captures a CUDA graph; the inputs are on {q.device}")
     backward = mode != "forward"
     try:
-        with torch.set_grad_enabled(backward):
-            out = fn(q, k, v, is_causal=causal)
-            results = {"o": out.detach()}
-            if backward:
-                results.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad_out)))
+        calls = {"first": _call_once(fn, q, k, v, grad_out, causal=causal, backward=backward)}
     except RuntimeError as exc:  # an OOM is a RuntimeError too: it propagates to the harness as is
         if "No available kernel" not in str(exc):
             raise
@@ -371,11 +417,32 @@ def check_accuracy(
             f"{impl} has no kernel for {dtype} inputs of shape {tuple(q.shape)}, causal={causal}, "
             f"on {q.device.type}"
         ) from None
-    out = None  # the implementation's graph is not needed while the references run
-    expected = dict(zip(results, reference(q, k, v, grad_out if backward else None, causal=causal)))
-    naive = dict(zip(results, naive_same_dtype(q, k, v, grad_out if backward else None, causal=causal)))
+    calls["repeat"] = _call_once(fn, q, k, v, grad_out, causal=causal, backward=backward)
+    if timing == "graph":
+        calls["graph-replay"] = _graph_replayed_call(fn, q, k, v, grad_out, causal=causal, backward=backward,
+                                                     capture=capture or harness.capture_cuda_graph)
+    expected = dict(zip(calls["first"], reference(q, k, v, grad_out if backward else None, causal=causal)))
+    naive = dict(zip(calls["first"], naive_same_dtype(q, k, v, grad_out if backward else None, causal=causal)))
     # stands in for a tensor's max|ref| where that is 0 (dQ when every query sees one key): the case's scale
     fallback = max([float(ref.abs().max()) for ref in expected.values() if ref.numel()] + [0.0]) or 1.0
+    allowances = {}
+    for key, ref in expected.items():
+        if ref.numel():
+            allowances[key] = row_allowance(naive[key], ref, dtype, fallback)
+    naive = None
+    where = f"{impl} ({mode}, {dtype}, shape {tuple(q.shape)}, causal={causal}"
+    worst_ratio, worst_error = 0.0, 0.0
+    for call, results in calls.items():
+        ratio, error = _judge(results, expected, allowances, dtype, fallback, f"{where}, {call} call)")
+        worst_ratio, worst_error = max(worst_ratio, ratio), max(worst_error, error)
+    return {"accuracy_ratio": worst_ratio, "accuracy_error": worst_error, "accuracy_tolerance": TOLERANCE[dtype],
+            "accuracy_calls": "+".join(calls)}
+
+
+def _judge(results: dict, expected: dict, allowances: dict, dtype: str, fallback: float,
+           where: str) -> tuple[float, float]:
+    """(worst row error / allowance, worst whole-tensor error) of one call's ``results``; AccuracyError
+    naming ``where`` if a row is dropped or either rule breaks."""
     errors, ratios, worst_rows = {}, {}, {}
     for key, ref in expected.items():
         errors[key] = relative_error(results[key], ref, fallback) if ref.numel() else 0.0
@@ -383,19 +450,19 @@ def check_accuracy(
             ratios[key] = 0.0
             continue
         err = row_errors(results[key], ref)
-        allowance, naive_worst = row_allowance(naive[key], ref, dtype, fallback)
+        allowance, naive_worst = allowances[key]
         ratio = err / allowance  # allowance >= ABS_FLOOR * M > 0
         row = int(ratio.argmax())
         ratios[key] = float(ratio[row])
         worst_rows[key] = (row // ref.shape[-2], row % ref.shape[-2], ref.shape[-2], float(err[row]),
                            float(allowance[row]), naive_worst)
-        del err, allowance, ratio
+        del err, ratio
     for key, ref in expected.items():
         lost = zeroed_rows(results[key], ref, dtype) if ref.numel() else torch.zeros(0, dtype=torch.bool)
         if bool(lost.any()):
             row = int(lost.nonzero()[0])
             raise AccuracyError(
-                f"{impl} ({mode}, {dtype}, shape {tuple(q.shape)}, causal={causal}) is less accurate than allowed: "
+                f"{where} is less accurate than allowed: "
                 f"{key} row {row % ref.shape[-2]} of {ref.shape[-2]} (batch*head {row // ref.shape[-2]}) is all "
                 f"zeros where the float64 reference's is not ({int(lost.sum())} such row(s)): a dropped row")
     worst = max(ratios, key=ratios.get)
@@ -405,7 +472,7 @@ def check_accuracy(
         slice_, row, rows_per_slice, err, allowance, naive_worst = worst_rows[worst]
         detail = ", ".join(f"{key} {ratio:.2g}" for key, ratio in ratios.items())
         raise AccuracyError(
-            f"{impl} ({mode}, {dtype}, shape {tuple(q.shape)}, causal={causal}) is less accurate than allowed: "
+            f"{where} is less accurate than allowed: "
             f"{worst} row {row} of {rows_per_slice} (batch*head {slice_}) is off by {err:.3e} against float64, "
             f"above its allowance {allowance:.3e} = ({NAIVE_FACTOR:g} x {naive_worst:.2e}, naive {dtype}'s worst "
             f"relative row error, + {FLOOR[dtype]:.0e}) x the rows' magnitude there + {ABS_FLOOR[dtype]:.0e} x "
@@ -413,10 +480,10 @@ def check_accuracy(
     if not errors[worst_global] <= tolerance:
         detail = ", ".join(f"{key} {err:.2e}" for key, err in errors.items())
         raise AccuracyError(
-            f"{impl} ({mode}, {dtype}, shape {tuple(q.shape)}, causal={causal}) disagrees with the float64 "
+            f"{where} disagrees with the float64 "
             f"reference: max|x - ref| / max|ref| = {detail}; tolerance {tolerance:.0e}"
         )
-    return {"accuracy_ratio": ratios[worst], "accuracy_error": errors[worst_global], "accuracy_tolerance": tolerance}
+    return ratios[worst], errors[worst_global]
 
 
 class AttentionStep:
@@ -470,12 +537,14 @@ def attention_step(
     mode: str = "forward",
     compile: bool = False,
     flash_options: str = "",
+    timing: str = "host",
     device: torch.device | str = "cpu",
     seed: int = 0,
     check: bool = True,
     metrics: dict | None = None,
 ) -> AttentionStep:
-    """Build inputs, check ``impl``'s accuracy (``check``; `check_accuracy`), return the step to time.
+    """Build inputs, check ``impl``'s accuracy (``check``; `check_accuracy`, on the calls ``timing`` repeats),
+    return the step to time.
 
     Raises `Unsupported` if the check finds that ``impl`` has no kernel for these inputs, `AccuracyError`
     if it is wrong.  Pass it to the harness as a setup (``lambda: attention_step(...)``): an OOM while building the
@@ -492,5 +561,6 @@ def attention_step(
         seed=seed, kv=kv_shape(batch_size, heads, kv_heads, seq_len, head_dim),
     )
     if check:
-        metrics.update(check_accuracy(fn, q, k, v, grad_out, causal=causal, mode=mode, dtype=dtype, impl=impl))
+        metrics.update(check_accuracy(fn, q, k, v, grad_out, causal=causal, mode=mode, dtype=dtype, impl=impl,
+                                      timing=timing))
     return AttentionStep(fn, q, k, v, grad_out, causal=causal, mode=mode, metrics=metrics)
