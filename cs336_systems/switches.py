@@ -58,7 +58,7 @@ class Switch:
         if self.values is not None:
             return " / ".join(self.values)
         return {r"[1-9][0-9]*": "a positive integer", r".+": "a path",
-                r"[0-9]+(\.[0-9]+)?": "a number of seconds"}.get(self.pattern, self.pattern)
+                r"[0-9]+(\.[0-9]+)?": "a number of seconds", r"0|1|0?\.[0-9]+": "a fraction from 0 to 1"}.get(self.pattern, self.pattern)
 
 
 REGISTRY: dict[str, Switch] = {s.name: s for s in (
@@ -94,6 +94,9 @@ REGISTRY: dict[str, Switch] = {s.name: s for s in (
     Switch("CS336_FLASH_REPLAY", ("0", "1"), "1",
            "0: every eager call launches the ordinary way (no recorded launches replayed).",
            affects_kernels=True),
+    Switch("CS336_PERF_SLOWDOWN", None, "0",
+           "calibration only: a synthetic regression of this fraction (0 to 1) of each timed case's step time: every "
+           "round also keeps the GPU busy that long (bench.harness.synthetic_slowdown).", pattern=r"0|1|0?\.[0-9]+"),
     Switch("CS336_DIST_TIMEOUT_S", None, "600",
            "distributed perf cases: the bound on every collective, in seconds.", pattern=r"[0-9]+(\.[0-9]+)?"),
     Switch("CS336_GPU_PYTHON", None, "python3",

@@ -68,6 +68,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems import switches
+
 Step = Callable[[], object]
 Hook = Callable[[], object]
 
@@ -402,6 +404,49 @@ def capture_cuda_graph(step: Step, device) -> Callable[[], None]:
     return graph.replay
 
 
+SLOWDOWN_ENV = "CS336_PERF_SLOWDOWN"
+SLOWDOWN_PROBE_ROUNDS = 3  # device-timed rounds that size the synthetic slowdown (and those of the sleep kernel)
+SLEEP_PROBE_CYCLES = 1_000_000  # torch.cuda._sleep's argument when its rate is measured (~0.5 ms on an H100)
+
+
+def slowdown_fraction() -> float:
+    """The synthetic slowdown `SLOWDOWN_ENV` asks for (0.0 where unset)."""
+    value = switches.read(SLOWDOWN_ENV)
+    return float(value) if value else 0.0
+
+
+def synthetic_slowdown(step: Step, hook: Callable[[], None] | None, device, fraction: float, *,
+                       event: Callable[[], object] | None = None,
+                       sync: Callable[[], None] | None = None,
+                       sleep: Callable[[int], None] | None = None) -> Step:
+    """``step`` made ``fraction`` of its time slower, as a regression of known size for calibrating the
+    gate (docs/regression-gating.md): after the warm-up, `SLOWDOWN_PROBE_ROUNDS` device-timed rounds give
+    the step's median time t and as many calls of the GPU's sleep kernel (torch.cuda._sleep, a spin of a
+    number of clock cycles) its rate; every later round runs the step, then a sleep of fraction * t.  The
+    sleep is queued on the step's stream, so all three timings (and a captured CUDA graph) include it.
+    Where the GPU waits on the host (a host-bound step), the sleep can overlap that wait and the slowdown
+    reads smaller: the calibration reports the ratio each case measured.  ``event``, ``sync`` and ``sleep``
+    are injectable for tests."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"{SLOWDOWN_ENV} must be a fraction from 0 to 1, got {fraction}")
+    if fraction == 0.0:
+        return step
+    if device is None or torch.device(device).type != "cuda":
+        raise ValueError(f"{SLOWDOWN_ENV}={fraction} slows the GPU (a sleep kernel); the case runs on {device}")
+    sleep = sleep or torch.cuda._sleep
+    step_s = statistics.median(device_timed_rounds(step, hook, SLOWDOWN_PROBE_ROUNDS, device, event=event,
+                                                   sync=sync))
+    sleep_s = statistics.median(device_timed_rounds(lambda: sleep(SLEEP_PROBE_CYCLES), None, SLOWDOWN_PROBE_ROUNDS,
+                                                    device, event=event, sync=sync))
+    cycles = max(1, round(SLEEP_PROBE_CYCLES * fraction * step_s / sleep_s))
+
+    def slowed() -> None:
+        step()
+        sleep(cycles)
+
+    return slowed
+
+
 def graph_timed_rounds(step: Step, hook: Callable[[], None] | None, rounds: int, device,
                        *, capture: Callable[[Step, object], Callable[[], object]] = capture_cuda_graph,
                        event: Callable[[], object] | None = None,
@@ -444,6 +489,7 @@ def measure(
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each, timing)
+            step = synthetic_slowdown(step, hook, device, slowdown_fraction())
             with monitor or contextlib.nullcontext():
                 if timing == "device":
                     times = device_timed_rounds(step, hook, rounds, device)
@@ -505,6 +551,7 @@ def run_pytest_benchmark(
     try:
         with gc_paused():
             step, hook = _prepare(setup, warmup, clock, device, before_each)
+            step = synthetic_slowdown(step, hook, device, slowdown_fraction())
             benchmark._timer = clock
             with monitor or contextlib.nullcontext():
                 # pytest-benchmark reads the synchronizing start time right before each call

@@ -519,3 +519,73 @@ def test_cuda_device_timing_measures_the_kernels():
     assert host.ok and device.ok and len(device.times_s) == 10
     # the same matmul: device time is positive and not above the host-synchronized latency by more than noise
     assert 0 < device.stats.median <= host.stats.median * 1.2
+
+
+# --- the synthetic slowdown (CS336_PERF_SLOWDOWN): a regression of known size for calibrating the gate -------
+class _FakeClock:
+    """Events and a sleep kernel on a fake device clock (ms): the step takes 10 ms, a sleep 2e-6 ms a cycle."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def event(self):
+        clock = self
+
+        class Event:
+            t = clock.now
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        return Event()
+
+    def step(self):
+        self.now += 10.0
+
+    def sleep(self, cycles):
+        self.slept.append(cycles)
+        self.now += cycles * 2e-6
+
+
+def test_synthetic_slowdown_adds_the_fraction_of_the_steps_time():
+    clock = _FakeClock()
+    slowed = benchmarking.synthetic_slowdown(clock.step, None, "cuda", 0.1, event=clock.event, sync=lambda: None,
+                                             sleep=clock.sleep)
+    # sized from 3 rounds of the step (10 ms) and 3 sleeps of 1e6 cycles (2 ms): 1 ms is 5e5 cycles
+    assert clock.slept == [benchmarking.SLEEP_PROBE_CYCLES] * 3
+    before = clock.now
+    slowed()
+    assert clock.slept[-1] == 500_000 and clock.now - before == pytest.approx(11.0)
+    step = clock.step
+    assert benchmarking.synthetic_slowdown(step, None, "cpu", 0.0) is step  # 0: the step itself
+
+
+def test_synthetic_slowdown_is_refused_off_the_gpu_and_outside_0_to_1(monkeypatch):
+    with pytest.raises(ValueError, match="CS336_PERF_SLOWDOWN=0.05 slows the GPU .*the case runs on cpu"):
+        benchmarking.synthetic_slowdown(lambda: None, None, "cpu", 0.05)
+    with pytest.raises(ValueError, match="must be a fraction from 0 to 1, got 1.5"):
+        benchmarking.synthetic_slowdown(lambda: None, None, "cuda", 1.5)
+    monkeypatch.setenv("CS336_PERF_SLOWDOWN", "5%")
+    with pytest.raises(ValueError, match=r"CS336_PERF_SLOWDOWN must be a fraction from 0 to 1 \(or unset\), got '5%'"):
+        benchmarking.slowdown_fraction()
+    monkeypatch.setenv("CS336_PERF_SLOWDOWN", ".1")
+    assert benchmarking.slowdown_fraction() == 0.1
+    # measure() reads the switch: on the CPU a set slowdown is an error, not a silently unslowed run
+    with pytest.raises(ValueError, match="CS336_PERF_SLOWDOWN=0.1 slows the GPU"):
+        benchmarking.measure(lambda: (lambda: None), warmup=0, rounds=1, device="cpu")
+
+
+@pytest.mark.gpu
+def test_synthetic_slowdown_on_cuda_slows_device_time_by_about_the_fraction():
+    """A 1 ms matmul chain, 20% slower: the sleep's rate is measured, not assumed (same-run ratio, loose)."""
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def step():
+        for _ in range(4):
+            x @ x
+
+    plain = statistics.median(benchmarking.measure(lambda: step, warmup=3, rounds=20, device="cuda",
+                                                   timing="device").times_s)
+    slowed = benchmarking.synthetic_slowdown(step, None, "cuda", 0.2)
+    timed = statistics.median(benchmarking.device_timed_rounds(slowed, None, 20, "cuda"))
+    assert 1.1 < timed / plain < 1.3, (plain, timed)
