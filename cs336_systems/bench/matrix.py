@@ -16,7 +16,7 @@ Layout::
       "gates": [ ... ],                    # in-run ratio gates (`reporting.gates`)
       "regression": {                      # the statistical gate against a baseline (`reporting.significance`)
         "default": {"min_effect": 0.05, "alpha": 0.002},
-        "groups": {"<group>": {"min_effect": 0.10}}   # overrides per perf group
+        "groups": {"<group>": {"min_effect": 0.10, "min_abs_effect_s": 4e-6}}   # overrides per perf group
       }
     }
 
@@ -626,17 +626,34 @@ def _validate_gate(gate: object, where: str, suites: dict[str, dict[str, list[di
 @dataclass(frozen=True)
 class GateSettings:
     """The statistical gate's settings for one perf group (`reporting.significance`): ``min_effect``, the
-    smallest relative change of a case's median that counts (0.05: 5%), and ``alpha``, the significance
-    level of the Mann-Whitney test."""
+    smallest relative change of a case's median that counts (0.05: 5%), ``alpha``, the significance
+    level of the Mann-Whitney test, and ``min_abs_effect_s``, the smallest absolute change of the median
+    that counts, in seconds (0: none): a case's threshold is the larger of the two, so calls of a few
+    microseconds, whose medians move by a fixed amount between runs, are held to that amount."""
 
     min_effect: float = 0.05
     alpha: float = 0.002
+    min_abs_effect_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, high in (("min_effect", 1.0), ("alpha", 0.5)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < high:
                 raise MatrixError(f"{name} must be a number in (0, {high:g}), got {value!r}")
+        value = self.min_abs_effect_s
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+            raise MatrixError(f"min_abs_effect_s must be a number of seconds in [0, 1), got {value!r}")
+
+    def threshold(self, baseline_median_s: float) -> float:
+        """The relative change that counts for a case whose baseline median is ``baseline_median_s``."""
+        if self.min_abs_effect_s and baseline_median_s > 0:
+            return max(self.min_effect, self.min_abs_effect_s / baseline_median_s)
+        return self.min_effect
+
+    def label(self) -> str:
+        """As the verdict tables show the settings: "5%, 0.002", "+ 4 us" where an absolute floor is set."""
+        floor = f" + {self.min_abs_effect_s * 1e6:g} us" if self.min_abs_effect_s else ""
+        return f"{self.min_effect:.0%}{floor}, {self.alpha:g}"
 
 
 def _validate_regression(body: object, groups: set[str]) -> tuple[GateSettings, dict[str, GateSettings]]:
@@ -645,9 +662,10 @@ def _validate_regression(body: object, groups: set[str]) -> tuple[GateSettings, 
     body = _check_keys(body, "regression", {"default", "groups", "$comment"}, set())
 
     def settings(obj: object, where: str, base: GateSettings) -> GateSettings:
-        obj = _check_keys(obj, where, {"min_effect", "alpha", "$comment"}, set())
+        obj = _check_keys(obj, where, {"min_effect", "alpha", "min_abs_effect_s", "$comment"}, set())
         try:
-            return GateSettings(obj.get("min_effect", base.min_effect), obj.get("alpha", base.alpha))
+            return GateSettings(obj.get("min_effect", base.min_effect), obj.get("alpha", base.alpha),
+                                obj.get("min_abs_effect_s", base.min_abs_effect_s))
         except MatrixError as exc:
             raise MatrixError(f"{where}: {exc}") from None
 

@@ -174,7 +174,8 @@ def analyze(folder: Path, m: matrix.Matrix) -> dict:
         missed = [c["mean_ratio"] for c in slowed if c["regressed"] < c["comparisons"]]
         finite = [r for r in aa_ratios if not math.isnan(r)]
         result[group] = {
-            "settings": {"min_effect": settings.min_effect, "alpha": settings.alpha},
+            "settings": {"min_effect": settings.min_effect, "alpha": settings.alpha,
+                         "min_abs_effect_s": settings.min_abs_effect_s},
             "a_runs": a_labels, "aa_comparisons": compared, "aa_false_alarms": alarms, "aa_inconclusive": undecided,
             "aa_largest_change": max((abs(r - 1) for r in finite), default=None),
             "variants": variants,
@@ -196,7 +197,7 @@ def markdown(result: dict) -> str:
              "smallest slowdown detected every time | largest slowdown missed |", "|---|---|---|---|---|---|---|---|---|"]
     for group, g in result.items():
         largest = "-" if g["aa_largest_change"] is None else f"{g['aa_largest_change'] * 100:.1f}%"
-        lines.append(f"| {group} | {g['settings']['min_effect']:.0%}, {g['settings']['alpha']:g} | {len(g['a_runs'])} | "
+        lines.append(f"| {group} | {matrix.GateSettings(**g['settings']).label()} | {len(g['a_runs'])} | "
                      f"{g['aa_comparisons']} | {len(g['aa_false_alarms'])} | {g['aa_inconclusive']} | {largest} | "
                      f"{pct(g['smallest_slowdown_always_detected'])} | {pct(g['largest_slowdown_missed'])} |")
     lines += ["", "| group | variant | case | mean new / A (median) | regressed in | inconclusive in |",

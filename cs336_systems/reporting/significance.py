@@ -13,14 +13,16 @@ test, and adds an interval so that "no change" is a finding too:
     p_slower   the one-sided Mann-Whitney U p-value that a round of the new run tends to be slower than a
                round of the old one (`scipy.stats.mannwhitneyu`); p_faster the other side
 
-    regressed     p_slower < alpha and ratio > 1 + min_effect
-    improved      p_faster < alpha and ratio < 1 - min_effect
-    unchanged     the whole interval inside [1 - min_effect, 1 + min_effect]
-    inconclusive  anything else: too few or too noisy rounds to tell a change of min_effect from none
+    effect        max(min_effect, min_abs_effect_s / median(old)): the relative change that counts here
+    regressed     p_slower < alpha and ratio > 1 + effect
+    improved      p_faster < alpha and ratio < 1 - effect
+    unchanged     the whole interval inside [1 - effect, 1 + effect]
+    inconclusive  anything else: too few or too noisy rounds to tell a change of effect from none
 
-``min_effect`` and ``alpha`` are per perf group (benchmarks.json "regression"; `bench.matrix.GateSettings`):
-the smallest change worth failing a merge on, above the group's run-to-run spread, and the significance
-level.  The test assumes each run's rounds are exchangeable draws; a shift that moves every round of a
+``min_effect``, ``min_abs_effect_s`` and ``alpha`` are per perf group (benchmarks.json "regression";
+`bench.matrix.GateSettings`): the smallest change worth failing a merge on, above the group's run-to-run
+spread (relative, and in seconds for calls so short that their medians move by a fixed amount between
+runs), and the significance level.  The test assumes each run's rounds are exchangeable draws; a shift that moves every round of a
 run (another host, clocks, a neighbour on the machine) is not noise to it, which is what ``min_effect``
 absorbs (docs/regression-gating.md).
 """
@@ -100,7 +102,7 @@ def decide(old: Sequence[float], new: Sequence[float], settings: GateSettings, c
                                    confidence_level=CONFIDENCE, method="percentile",
                                    random_state=np.random.default_rng(SEED)).confidence_interval
         low, high = float(interval.low), float(interval.high)
-    effect = settings.min_effect
+    effect = settings.threshold(float(np.median(a)))
     if p_slower < settings.alpha and ratio > 1 + effect:
         verdict = "regressed"
     elif p_faster < settings.alpha and ratio < 1 - effect:
@@ -145,7 +147,7 @@ def table(verdicts: Sequence[Verdict]) -> str:
             verdict += f" ({v.note})"
         rows.append(f"| {v.case} | {verdict} | {_fmt(v.ratio, '.3f')} | {_fmt(v.low, '.3f')}-{_fmt(v.high, '.3f')} | "
                     f"{_fmt(v.p_slower, '.2g')} | {_fmt(v.p_faster, '.2g')} | {v.n_old} / {v.n_new} | "
-                    f"{v.settings.min_effect:.0%}, {v.settings.alpha:g} |")
+                    f"{v.settings.label()} |")
     return "\n".join(rows)
 
 

@@ -452,9 +452,11 @@ def test_e2e_hf_group_times_own_and_hf_at_xl_and_2_7b_eager_and_compiled_in_one_
     expected |= {f"{prefix}small-ctx512-b4-{mode}-bf16-{compiled}-sdpa{suffix}-w5"
                  for prefix, suffix in (("", ""), ("hf-llama-", ""), ("", "-adamw-master"))
                  for mode in ("forward", "train-step") for compiled in ("eager", "compiled", "compiled-cudagraphs")}
-    # the A/B of AdamWMaster's master formats: float32 copies beside the default split masters
-    expected |= {f"{size}-ctx512-b4-train-step-bf16-{compiled}-sdpa-adamw-master-fp32-w5"
-                 for size in ("xl", "2.7B") for compiled in ("eager", "compiled")}
+    # the A/B of AdamWMaster's master formats: float32 copies beside the default split masters; HF's Llama with
+    # AdamWMaster too, so own / HF reads with either optimizer from one run
+    expected |= {f"{prefix}{size}-ctx512-b4-train-step-bf16-{compiled}-sdpa-adamw-master{suffix}-w5"
+                 for prefix, suffix in (("", "-fp32"), ("hf-llama-", "")) for size in ("xl", "2.7B")
+                 for compiled in ("eager", "compiled")}
     assert ids == expected
     assert all(c["cuda_graphs"] == ("cudagraphs" in matrix.case_id(c)) for c in cases)
     assert {c["impl"] for c in cases if matrix.case_id(c).startswith("hf-llama-")} == {"hf-llama"}

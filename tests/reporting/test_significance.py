@@ -40,6 +40,19 @@ def test_a_significant_change_below_the_minimum_effect_is_not_a_regression():
                                GateSettings(min_effect=0.02)).verdict == "regressed"
 
 
+def test_an_absolute_floor_holds_microsecond_calls_to_a_fixed_change():
+    """A 12 us call 25% slower (3 us): a regression at 5% alone, unchanged under a 4 us floor; a 2 ms call
+    10% slower is still one (its 200 us are far above the floor)."""
+    floored = GateSettings(min_effect=0.05, alpha=0.002, min_abs_effect_s=4e-6)
+    short_old, short_new = rounds(12e-6, 50, 0.01, 7), rounds(15e-6, 50, 0.01, 8)
+    assert significance.decide(short_old, short_new, DEFAULT).verdict == "regressed"
+    assert significance.decide(short_old, short_new, floored).verdict == "unchanged"
+    assert significance.decide(short_old, rounds(18e-6, 50, 0.01, 8), floored).verdict == "regressed"  # 6 us
+    assert significance.decide(rounds(2e-3, 50, 0.01, 9), rounds(2.2e-3, 50, 0.01, 10), floored).verdict == "regressed"
+    assert floored.threshold(12e-6) == pytest.approx(4 / 12) and floored.threshold(2e-3) == 0.05
+    assert floored.label() == "5% + 4 us, 0.002" and DEFAULT.label() == "5%, 0.002"
+
+
 def test_noisy_or_short_runs_are_inconclusive_not_a_pass_or_a_fail():
     noisy = significance.decide(rounds(1e-3, 10, 0.30, 5), rounds(1.08e-3, 10, 0.30, 6), DEFAULT)
     assert noisy.verdict == "inconclusive" and noisy.high - noisy.low > 0.1, noisy
@@ -86,7 +99,9 @@ def test_compare_pairs_cases_by_name_and_uses_each_groups_settings():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"min_effect": 0}, "min_effect"), ({"min_effect": 1.5}, "min_effect"),
-                                           ({"alpha": 0.7}, "alpha"), ({"alpha": "0.01"}, "alpha")])
+                                           ({"alpha": 0.7}, "alpha"), ({"alpha": "0.01"}, "alpha"),
+                                           ({"min_abs_effect_s": -1e-6}, "min_abs_effect_s"),
+                                           ({"min_abs_effect_s": 2.0}, "min_abs_effect_s")])
 def test_gate_settings_name_the_bad_value(kwargs, match):
     with pytest.raises(MatrixError, match=match):
         GateSettings(**kwargs)
@@ -105,6 +120,8 @@ def test_benchmarks_json_sets_the_gate_per_group_and_refuses_unknown_groups():
     assert loaded.gate_settings("not-a-group") == loaded.regression_default
     parsed = matrix.parse(_with_regression({"default": {"alpha": 0.01}, "groups": {"leaderboard": {"min_effect": 0.03}}}))
     assert parsed.gate_settings("leaderboard") == GateSettings(0.03, 0.01)
+    floored = matrix.parse(_with_regression({"groups": {"leaderboard": {"min_abs_effect_s": 4e-6}}}))
+    assert floored.gate_settings("leaderboard") == GateSettings(0.05, 0.002, 4e-6)
     with pytest.raises(MatrixError, match="regression.groups.leaderbord: no grid has group"):
         matrix.parse(_with_regression({"groups": {"leaderbord": {"min_effect": 0.03}}}))
     with pytest.raises(MatrixError, match=r"regression.groups.leaderboard: min_effect must be"):
