@@ -47,3 +47,45 @@ def check_stats(source: str | Path, name: str, stats: object) -> None:
 
 def _time(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def compact(path: str | Path) -> tuple[int, int]:
+    """Rewrite a saved run in place as the results tree keeps it: JSON without indentation, each case's
+    per-round times (``stats.data``) to four significant digits (what baselines keep and the statistical
+    gate tests; the statistics pytest-benchmark computed from the full-precision times stay as they are).
+    Returns the sizes in bytes before and after."""
+    from cs336_systems.reporting import significance  # (numpy: only when asked)
+
+    path = Path(path)
+    before = path.stat().st_size
+    data = read_run(path)
+    for bench in data["benchmarks"]:
+        stats = bench.get("stats")
+        if isinstance(stats, dict):
+            check_stats(path, bench.get("name", "?"), stats)
+            if isinstance(stats.get("data"), list):
+                stats["data"] = significance.rounded(stats["data"])
+    text = json.dumps(data, separators=(",", ":")) + "\n"
+    path.write_text(text)
+    return before, len(text.encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cs336_systems.reporting.run_files --compact RUN.json ...``: `compact` each run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.reporting.run_files", description=main.__doc__)
+    parser.add_argument("--compact", nargs="+", required=True, metavar="RUN", help="saved runs to rewrite")
+    args = parser.parse_args(argv)
+    for path in args.compact:
+        try:
+            before, after = compact(path)
+        except RunFileError as exc:
+            print(f"error: {exc}")
+            return 2
+        print(f"{path}: {before} -> {after} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
