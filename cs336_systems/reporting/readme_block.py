@@ -1,8 +1,8 @@
 """The README's generated "Results" block: ``python -m cs336_systems.report --readme README.md``.
 
 Rewrites the block between ``<!-- results:start -->`` and ``<!-- results:end -->`` in the README's
-"## Results" section from the committed runs listed in `README_RESULTS`: the H100 end-to-end headline and
-attention leaderboard, and the sections' plots, each with device, versions, date and commit.  Only runs
+"## Results" section from the committed runs listed in `README_RESULTS`: the H200 2.7B train step per
+model and optimizer, the H100 attention leaderboard, and the sections' plots, each with device, versions, date and commit.  Only runs
 saved at a clean commit go in: a run from a work tree with uncommitted changes, or one that records no
 commit, cannot be traced to code, and is refused (`UntraceableRun`).  `data_parallel_readme` renders the
 multi-GPU groups' runs as a section, for when such runs are at clean commits.  Everything outside the markers is left as it is; running it twice changes
@@ -102,6 +102,54 @@ def headline_table(entries: list[dict], machines: list[dict]) -> str:
             f"{CROSS_RUN_MARK}: eager and compiled come from two saved runs with the same machine facts." + baseline)
 
 
+# The optimizers of the end-to-end grids, in the order the optimizer table shows them.
+OPTIMIZER_TITLES = {"adamw": "torch AdamW, float32 weights", "adamw-master": "AdamWMaster (bf16 compute weights)",
+                    "adamw-master-fp32": "AdamWMaster, float32 master copies"}
+
+
+def optimizer_table(entries: list[dict], machines: list[dict]) -> str:
+    """The compiled train step of HEADLINE_CASE per optimizer (rows) and model (own, HF): median ms, MFU and
+    peak memory, "own / HF" with the same optimizer, and a last row with each model's fastest optimizer.
+
+    Every cell must come from one saved run (ValueError otherwise): the ratios are same-run ratios."""
+    steps = [e for e in entries if e.get("test") == "test_end_to_end" and e.get("mode") == "train-step"
+             and e.get("compile") and not e.get("cuda_graphs") and e.get("status") == "ok"
+             and all(e.get(k) == v for k, v in HEADLINE_CASE.items())]
+    if len({e.get("run") for e in steps}) > 1:
+        raise ValueError("optimizer_table: its cells must come from one saved run (same-run ratios)")
+    cells = {(impl_of(e), optimizer_of(e)): e for e in steps}
+    order = list(OPTIMIZER_TITLES) + sorted({opt for _, opt in cells} - set(OPTIMIZER_TITLES))
+    rows = []
+
+    def model_cells(e):
+        mfu = ok_field(e, "mfu")
+        memory = ok_field(e, "peak_memory_gib")
+        return [cell_median(e), "-" if mfu is None else f"{100 * mfu:.1f}%", fmt(memory, ".1f")]
+
+    for opt in [o for o in order if any(k[1] == o for k in cells)]:
+        own, hf = cells.get((OWN, opt)), cells.get((HF, opt))
+        ratio = same_run_ratio(own, hf)
+        rows.append([OPTIMIZER_TITLES.get(opt, opt)] + model_cells(own) + model_cells(hf)
+                    + ["-" if ratio is None else f"{ratio:.2f}"])
+    best = {impl: min((e for (i, _), e in cells.items() if i == impl), key=stat_ms, default=None)
+            for impl in (OWN, HF)}
+    if best[OWN] is not None and best[HF] is not None:
+        rows.append([f"each one's fastest ({optimizer_of(best[OWN])} / {optimizer_of(best[HF])})"]
+                    + model_cells(best[OWN]) + model_cells(best[HF])
+                    + [f"{same_run_ratio(best[OWN], best[HF]):.2f}"])
+    if not rows:
+        return ""
+    case = HEADLINE_CASE
+    header = ["optimizer", "own ms", "own MFU", "own peak GiB", "HF ms", "HF MFU", "HF peak GiB", "own / HF"]
+    peaks = sorted({e.get("peak_tflops") for e in steps if e.get("peak_tflops")})
+    return (f"{case['size']} model, train step (forward, backward, optimizer step), {case['precision']} autocast, "
+            f"batch {case['batch_size']}, context {case['context']}, {case['attention']} attention, per-block "
+            "torch.compile; own: cs336_systems.model, HF: Hugging Face LlamaForCausalLM of the same size; "
+            "median ms, one saved run.\n\n" + md_table(header, rows) + "\n\n"
+            f"MFU against the dense datasheet peak ({', '.join(f'{p:g}' for p in peaks)} TFLOP/s); own / HF "
+            "below 1: ours is faster.")
+
+
 def leaderboard_summary(entries: list[dict], machines: list[dict]) -> str:
     """Per leaderboard shape (device-timed cases), per mode: compiled flash-triton, sdpa-flash and sdpa-cudnn ms and TFLOP/s,
     and flash-triton's time over each SDPA kernel's (same run)."""
@@ -198,8 +246,8 @@ def _flash_plot_specs(entries, machines):
 
 
 README_RESULTS = (
-    ResultsSection("H100: end-to-end headline",
-                   ("results/h100/e2e-2.7B.json", "results/h100/e2e-compiled.json"), headline_table),
+    ResultsSection("H200: the 2.7B train step, own and Hugging Face's, per optimizer",
+                   ("results/h200/gate-validation/e2e-hf--a1.json",), optimizer_table),
     ResultsSection("H100: attention leaderboard", ("results/h100/leaderboard.json",),
                    leaderboard_summary),
     ResultsSection("H100: attention TFLOP/s vs sequence length",

@@ -998,6 +998,28 @@ def test_readme_headline_adds_hf_rows_and_own_over_hf_columns_when_the_runs_have
     assert "hf-llama: Hugging Face LlamaForCausalLM of the same size" in table
 
 
+def test_readme_optimizer_table_pairs_models_per_optimizer_from_one_run(tmp_path):
+    def step(impl, optimizer, median_s, compiled=True):
+        bench = _impl(_bench("2.7B", 512, "train-step", "bf16", compiled, median_s), impl)
+        bench["extra_info"] |= {"peak_tflops": 989.4} | ({"optimizer": optimizer} if optimizer else {})
+        return bench
+
+    run = _run(tmp_path, "four.json", [
+        step("own", None, 0.116), step("hf-llama", "adamw", 0.120), step("own", "adamw-master", 0.100),
+        step("hf-llama", "adamw-master", 0.110), step("own", "adamw-master-fp32", 0.104),
+        step("own", "adamw-master", 0.300, compiled=False),  # eager: not in the table
+    ])
+    entries, machines = tables.load_runs([run])
+    table = readme_results.optimizer_table(entries, machines)
+    assert "| torch AdamW, float32 weights | 116.00 | 25.0% | 1.5 | 120.00 | 25.0% | 1.5 | 0.97 |" in table
+    assert "| AdamWMaster (bf16 compute weights) | 100.00 | 25.0% | 1.5 | 110.00 | 25.0% | 1.5 | 0.91 |" in table
+    assert "| AdamWMaster, float32 master copies | 104.00 | 25.0% | 1.5 | - | - | - | - |" in table
+    assert "| each one's fastest (adamw-master / adamw-master) | 100.00 |" in table and "300.00" not in table
+    other = _run(tmp_path, "other.json", [step("hf-llama", "adamw", 0.2)])
+    with pytest.raises(ValueError, match="one saved run"):
+        readme_results.optimizer_table(*tables.load_entries([run, other]))
+
+
 def test_gpu_clock_table_lists_end_to_end_cases_that_recorded_telemetry(tmp_path):
     hot = _impl(_bench("2.7B", 512, "train-step", "bf16", True, 0.1204), "own")
     hot["extra_info"].update(gpu_samples=120, gpu_sm_clock_mhz_median=1935, gpu_sm_clock_mhz_min=1785,
