@@ -333,12 +333,13 @@ def _statistical_gate(bench_session, config: pytest.Config, strict: bool) -> tup
                 saved[name] = data
             else:
                 without_samples.append(name)
-    new, groups = {}, {}
+    new, groups, fields = {}, {}, {}
     for bench in bench_session.benchmarks:
         if bench and bench.stats is not None and getattr(bench.stats, "data", None):
             new[bench.fullname] = list(bench.stats.data)
-            groups[bench.fullname] = (bench.extra_info or {}).get("group") or ""
-    verdicts = significance.compare(saved, new, groups, matrix.load(matrix.DEFAULT_PATH).gate_settings)
+            fields[bench.fullname] = bench.extra_info or {}
+            groups[bench.fullname] = fields[bench.fullname].get("group") or ""
+    verdicts = significance.compare(saved, new, groups, matrix.load(matrix.DEFAULT_PATH).gate_settings, fields)
     problems = []
     unsampled = sorted(name for name in without_samples if name in new)
     if unsampled:

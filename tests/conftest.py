@@ -154,6 +154,7 @@ PERF_SESSION_IMPORTS = (
     "cs336_systems.bench.machine",
     "cs336_systems.bench.matrix",
     "cs336_systems.bench.workloads.attention",
+    "cs336_systems.bench.workloads.data_parallel",  # perf/test_distributed.py imports it at collection
     "cs336_systems.parallel.launch",
     "cs336_systems.reporting.baseline",
     "cs336_systems.reporting.gates",

@@ -47,7 +47,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -656,28 +656,47 @@ class GateSettings:
         return f"{self.min_effect:.0%}{floor}, {self.alpha:g}"
 
 
-def _validate_regression(body: object, groups: set[str]) -> tuple[GateSettings, dict[str, GateSettings]]:
-    """benchmarks.json "regression": the default settings and per-group overrides, each group one that a grid
-    names (a typo would otherwise leave its group on the default in silence)."""
-    body = _check_keys(body, "regression", {"default", "groups", "$comment"}, set())
+def _validate_regression(body: object, groups: set[str]) -> tuple[GateSettings, dict[str, GateSettings], tuple]:
+    """benchmarks.json "regression": the default settings, per-group overrides (each group one that a grid
+    names: a typo would otherwise leave its group on the default in silence) and per-case overrides
+    ("cases": [{"group": G, "match": {case field: value, ...}, settings...}], on top of their group's)."""
+    body = _check_keys(body, "regression", {"default", "groups", "cases", "$comment"}, set())
 
-    def settings(obj: object, where: str, base: GateSettings) -> GateSettings:
-        obj = _check_keys(obj, where, {"min_effect", "alpha", "min_abs_effect_s", "$comment"}, set())
+    def settings(obj: object, where: str, base: GateSettings, extra: frozenset = frozenset()) -> GateSettings:
+        obj = _check_keys(obj, where, {"min_effect", "alpha", "min_abs_effect_s", "$comment"} | extra, set())
         try:
             return GateSettings(obj.get("min_effect", base.min_effect), obj.get("alpha", base.alpha),
                                 obj.get("min_abs_effect_s", base.min_abs_effect_s))
         except MatrixError as exc:
             raise MatrixError(f"{where}: {exc}") from None
 
+    def known(group: object, where: str) -> str:
+        if group not in groups:
+            raise MatrixError(f"{where}: no grid has group {group!r}; groups: {', '.join(sorted(groups))}")
+        return group
+
     default = settings(body.get("default", {}), "regression.default", GateSettings())
     named = body.get("groups", {})
     if not isinstance(named, dict):
         raise MatrixError("regression.groups: expected an object of group -> settings")
-    for group in named:
-        if group not in groups:
-            raise MatrixError(f"regression.groups.{group}: no grid has group {group!r}; groups: "
-                              f"{', '.join(sorted(groups))}")
-    return default, {group: settings(obj, f"regression.groups.{group}", default) for group, obj in named.items()}
+    per_group = {known(group, f"regression.groups.{group}"): settings(obj, f"regression.groups.{group}", default)
+                 for group, obj in named.items()}
+    listed = body.get("cases", [])
+    if not isinstance(listed, list):
+        raise MatrixError("regression.cases: expected a list of {group, match, settings}")
+    per_case = []
+    for i, obj in enumerate(listed):
+        where = f"regression.cases[{i}]"
+        if not isinstance(obj, dict) or "group" not in obj or "match" not in obj:
+            raise MatrixError(f"{where}: expected an object with \"group\", \"match\" and settings")
+        group = known(obj["group"], f"{where}.group")
+        match = obj["match"]
+        if (not isinstance(match, dict) or not match
+                or not all(isinstance(v, (str, int, float, bool)) for v in match.values())):
+            raise MatrixError(f"{where}.match: expected a non-empty object of case field -> value, got {match!r}")
+        per_case.append((group, dict(match), settings(obj, where, per_group.get(group, default),
+                                                      frozenset({"group", "match"}))))
+    return default, per_group, tuple(per_case)
 
 
 @dataclass(frozen=True)
@@ -689,9 +708,16 @@ class Matrix:
     gates: list[dict]
     regression_default: GateSettings = GateSettings()
     regression_groups: dict[str, GateSettings] = dataclasses.field(default_factory=dict)
+    # (group, {case field: value}, settings): "regression.cases", first match wins
+    regression_cases: tuple = ()
 
-    def gate_settings(self, group: str) -> GateSettings:
-        """The statistical gate's settings for a perf group: its override, else the default."""
+    def gate_settings(self, group: str, fields: Mapping | None = None) -> GateSettings:
+        """The statistical gate's settings for a case of a perf group: the first per-case override whose
+        group is ``group`` and whose every match field equals the case's (``fields``: its extra_info), else
+        the group's override, else the default."""
+        for case_group, match, settings in self.regression_cases:
+            if case_group == group and fields is not None and all(fields.get(k) == v for k, v in match.items()):
+                return settings
         return self.regression_groups.get(group, self.regression_default)
 
     def cases(self, suite: str, profile: str, groups: set[str] | None = None) -> list[dict]:
@@ -781,9 +807,9 @@ def parse(data: object) -> Matrix:
     if not isinstance(gates, list):
         raise MatrixError("gates: expected a list")
     all_groups = {grid["group"] for profiles in suites.values() for grids in profiles.values() for grid in grids}
-    default, per_group = _validate_regression(data.get("regression", {}), all_groups)
+    default, per_group, per_case = _validate_regression(data.get("regression", {}), all_groups)
     return Matrix(suites, descriptions, [_validate_gate(g, f"gates[{i}]", suites) for i, g in enumerate(gates)],
-                  default, per_group)
+                  default, per_group, per_case)
 
 
 class _DuplicateKey(Exception):

@@ -30,6 +30,7 @@ those of the cases the slower path runs in.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -116,13 +117,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rounds(data: dict) -> dict[str, tuple[str, list[float]]]:
-    """case name -> (its group, its per-round times) of a saved run's timed cases that kept them."""
+def _rounds(data: dict) -> dict[str, tuple[str, list[float], dict]]:
+    """case name -> (its group, its per-round times, its extra_info) of a saved run's timed cases that kept
+    them."""
     out = {}
     for bench in data["benchmarks"]:
         rounds = (bench.get("stats") or {}).get("data")
         if rounds:
-            out[bench["name"]] = ((bench.get("extra_info") or {}).get("group", ""), rounds)
+            info = bench.get("extra_info") or {}
+            out[bench["name"]] = (info.get("group", ""), rounds, info)
     return out
 
 
@@ -150,7 +153,8 @@ def analyze(folder: Path, m: matrix.Matrix) -> dict:
         alarms, compared, undecided, aa_ratios = [], 0, 0, []
         for old, new in itertools.combinations(a_labels, 2):
             for case in runs[old].keys() & runs[new].keys():
-                v = significance.decide(runs[old][case][1], runs[new][case][1], settings, case, group)
+                v = significance.decide(runs[old][case][1], runs[new][case][1],
+                                        m.gate_settings(group, runs[new][case][2]), case, group)
                 compared += 1
                 undecided += v.verdict == "inconclusive"
                 aa_ratios.append(v.ratio)
@@ -160,7 +164,8 @@ def analyze(folder: Path, m: matrix.Matrix) -> dict:
         for label in sorted(label for label in runs if not _is_a(label)):
             cases = {}
             for case in sorted(runs[label]):
-                verdicts = [significance.decide(runs[a][case][1], runs[label][case][1], settings, case, group)
+                case_settings = m.gate_settings(group, runs[label][case][2])
+                verdicts = [significance.decide(runs[a][case][1], runs[label][case][1], case_settings, case, group)
                             for a in a_labels if case in runs[a]]
                 if verdicts:
                     ratios = [v.ratio for v in verdicts]
@@ -176,6 +181,8 @@ def analyze(folder: Path, m: matrix.Matrix) -> dict:
         result[group] = {
             "settings": {"min_effect": settings.min_effect, "alpha": settings.alpha,
                          "min_abs_effect_s": settings.min_abs_effect_s},
+            "case_overrides": [{"match": match, "settings": dataclasses.asdict(over)}
+                               for case_group, match, over in m.regression_cases if case_group == group],
             "a_runs": a_labels, "aa_comparisons": compared, "aa_false_alarms": alarms, "aa_inconclusive": undecided,
             "aa_largest_change": max((abs(r - 1) for r in finite), default=None),
             "variants": variants,
@@ -197,7 +204,9 @@ def markdown(result: dict) -> str:
              "smallest slowdown detected every time | largest slowdown missed |", "|---|---|---|---|---|---|---|---|---|"]
     for group, g in result.items():
         largest = "-" if g["aa_largest_change"] is None else f"{g['aa_largest_change'] * 100:.1f}%"
-        lines.append(f"| {group} | {matrix.GateSettings(**g['settings']).label()} | {len(g['a_runs'])} | "
+        overrides = "".join(f"; {', '.join(f'{k} {v}' for k, v in o['match'].items())}: "
+                            f"{matrix.GateSettings(**o['settings']).label()}" for o in g.get("case_overrides", []))
+        lines.append(f"| {group} | {matrix.GateSettings(**g['settings']).label()}{overrides} | {len(g['a_runs'])} | "
                      f"{g['aa_comparisons']} | {len(g['aa_false_alarms'])} | {g['aa_inconclusive']} | {largest} | "
                      f"{pct(g['smallest_slowdown_always_detected'])} | {pct(g['largest_slowdown_missed'])} |")
     lines += ["", "| group | variant | case | mean new / A (median) | regressed in | inconclusive in |",

@@ -115,14 +115,18 @@ def decide(old: Sequence[float], new: Sequence[float], settings: GateSettings, c
 
 
 def compare(baseline: Mapping[str, Sequence[float]], run: Mapping[str, Sequence[float]],
-            groups: Mapping[str, str], settings_for: Callable[[str], GateSettings]) -> list[Verdict]:
+            groups: Mapping[str, str], settings_for: Callable[..., GateSettings],
+            fields: Mapping[str, Mapping] | None = None) -> list[Verdict]:
     """A verdict for every case of ``run`` (name -> rounds) that ``baseline`` has, in ``run``'s order;
-    ``groups``: case -> its perf group, whose settings ``settings_for`` gives."""
+    ``groups``: case -> its perf group, whose settings ``settings_for(group)`` gives, or, with ``fields``
+    (case -> its extra_info), ``settings_for(group, fields)`` (`bench.matrix.Matrix.gate_settings`: the
+    per-case overrides)."""
     verdicts = []
     for case, new in run.items():
         if case in baseline:
             group = groups.get(case, "")
-            verdicts.append(decide(baseline[case], new, settings_for(group), case, group))
+            settings = settings_for(group) if fields is None else settings_for(group, fields.get(case, {}))
+            verdicts.append(decide(baseline[case], new, settings, case, group))
     return verdicts
 
 

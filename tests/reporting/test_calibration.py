@@ -19,7 +19,8 @@ def _run_file(path: Path, cases: dict[str, list[float]], group: str = "leaderboa
     path.write_text(json.dumps({
         "machine_info": {"cs336_systems": {"gpu_name": "NVIDIA H100 80GB HBM3", "gpu_count": 1}},
         "benchmarks": [{"name": name, "extra_info": {"group": group},
-                        "stats": {"median": float(np.median(rounds)), "data": rounds}}
+                        "stats": {"median": float(np.median(rounds)), "data": rounds}} | (
+                           {"extra_info": {"group": group, "mode": "forward"}} if name.startswith("fwd") else {})
                        for name, rounds in cases.items()]}))
 
 
@@ -86,7 +87,22 @@ def test_analyze_counts_aa_false_alarms_and_detects_a_slowdown_beyond_the_minimu
     assert result["smallest_slowdown_always_detected"] == pytest.approx(1.2, abs=0.02)
     assert result["largest_slowdown_missed"] == pytest.approx(1.025, abs=0.01)
     text = cal.markdown({"leaderboard": result})
-    assert "| leaderboard | 5%, 0.002 | 3 | 6 | 0 | 0 |" in text and "| leaderboard | slower | slow | 1.19" in text and "| 3 / 3 | 0 / 3 |" in text
+    assert ("| leaderboard | 5%, 0.002; mode forward: 10%, 0.002 | 3 | 6 | 0 | 0 |" in text
+            and "| leaderboard | slower | slow | 1.19" in text and "| 3 / 3 | 0 / 3 |" in text)
+
+
+def test_analyze_judges_each_case_with_its_override(tmp_path):
+    """benchmarks.json's leaderboard forwards are held to 10%: an 8% slowdown of one is not declared, the
+    same 8% of a backward case is."""
+    rng = np.random.default_rng(1)
+    for i in (1, 2, 3):
+        _run_file(tmp_path / f"leaderboard--a{i}.json", {"fwd": _rounds(rng, 1.0), "bwd": _rounds(rng, 1.0)})
+    _run_file(tmp_path / "leaderboard--slower.json", {"fwd": _rounds(rng, 1.08), "bwd": _rounds(rng, 1.08)})
+    result = cal.analyze(tmp_path, matrix.load())["leaderboard"]
+    assert result["case_overrides"] == [{"match": {"mode": "forward"},
+                                         "settings": {"min_effect": 0.10, "alpha": 0.002, "min_abs_effect_s": 0.0}}]
+    assert result["variants"]["slower"]["fwd"]["regressed"] == 0
+    assert result["variants"]["slower"]["bwd"]["regressed"] == 3
 
 
 def test_analyze_reports_an_aa_false_alarm_and_refuses_a_folder_without_two_a_runs(tmp_path):

@@ -113,6 +113,35 @@ def _with_regression(block: dict) -> dict:
     return data
 
 
+def test_case_overrides_apply_to_the_cases_they_match_first_match_winning():
+    parsed = matrix.parse(_with_regression({
+        "groups": {"leaderboard": {"min_effect": 0.03}},
+        "cases": [{"group": "leaderboard", "match": {"mode": "forward", "head_dim": 128}, "min_effect": 0.2},
+                  {"group": "leaderboard", "match": {"mode": "forward"}, "min_abs_effect_s": 1e-5}]}))
+    assert parsed.gate_settings("leaderboard", {"mode": "forward", "head_dim": 128}) == GateSettings(0.2, 0.002)
+    # the second entry, on top of its group's settings
+    assert parsed.gate_settings("leaderboard", {"mode": "forward", "head_dim": 64}) == GateSettings(0.03, 0.002, 1e-5)
+    assert parsed.gate_settings("leaderboard", {"mode": "backward"}) == GateSettings(0.03, 0.002)
+    assert parsed.gate_settings("leaderboard") == GateSettings(0.03, 0.002)  # no fields: the group's
+    old, new = {"f": rounds(1e-3, 30, 0.01, 1), "b": rounds(1e-3, 30, 0.01, 2)}, {
+        "f": rounds(1.1e-3, 30, 0.01, 3), "b": rounds(1.1e-3, 30, 0.01, 4)}
+    verdicts = significance.compare(old, new, {"f": "leaderboard", "b": "leaderboard"}, parsed.gate_settings,
+                                    {"f": {"mode": "forward", "head_dim": 128}, "b": {"mode": "backward"}})
+    assert [(v.case, v.verdict) for v in verdicts] == [("f", "unchanged"), ("b", "regressed")]
+    assert loaded_default_forward_override() == GateSettings(0.10, 0.002)
+    for bad, match in (({"group": "leaderbord", "match": {"mode": "forward"}}, r"cases\[0\].group: no grid"),
+                       ({"group": "leaderboard", "match": {}}, r"cases\[0\].match: expected a non-empty"),
+                       ({"group": "leaderboard"}, r"cases\[0\]: expected an object"),
+                       ({"group": "leaderboard", "match": {"mode": "forward"}, "min_efect": 0.1}, "unknown")):
+        with pytest.raises(MatrixError, match=match):
+            matrix.parse(_with_regression({"cases": [bad]}))
+
+
+def loaded_default_forward_override() -> GateSettings:
+    """The committed benchmarks.json: the leaderboard's forwards at 10% (docs/regression-gating.md)."""
+    return matrix.load().gate_settings("leaderboard", {"mode": "forward"})
+
+
 def test_benchmarks_json_sets_the_gate_per_group_and_refuses_unknown_groups():
     loaded = matrix.load()
     assert loaded.gate_settings("leaderboard") == GateSettings(0.05, 0.002)
