@@ -270,8 +270,10 @@ def test_zeroed_rows_spare_rows_whose_reference_is_zero_or_below_the_dtypes_rang
     for causal in (True, False) for dtype in ("fp32", "bf16", "fp16")
     for impl in ("naive", "naive-compiled", "sdpa", "flash-pytorch")])
 def test_real_implementations_pass_the_accuracy_check(impl, dtype, causal):
-    """Correct implementations stay well inside the rule (a wrong tail measures >= 10x the allowance)."""
-    for shape, seed in (((1, 256, 64), 0), ((2, 3, 100, 16), 1)):
+    """Correct implementations stay well inside the rule (a wrong tail measures >= 10x the allowance).
+    naive-compiled, whose every shape is a compile of several seconds, takes the 4-D one only."""
+    shapes = (((1, 256, 64), 0), ((2, 3, 100, 16), 1))
+    for shape, seed in shapes[1:] if impl == "naive-compiled" else shapes:
         q, k, v, do = attention_workloads.random_inputs(shape, attention_workloads.DTYPES[dtype], torch.device("cpu"),
                                                         requires_grad=True, seed=seed)
         result = attention_workloads.check_accuracy(attention.get(impl).fn, q, k, v, do, causal=causal,
