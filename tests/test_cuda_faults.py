@@ -48,6 +48,7 @@ def test_a_fault_stops_a_session_without_xdist(pytester, perf_session, fault):
     assert result.ret == pytest.ExitCode.INTERRUPTED  # non-zero: a run with a fault never passes
 
 
+@pytest.mark.slow  # an xdist session of its own (~14 s)
 def test_an_xdist_worker_exits_and_is_replaced(pytester):
     _project(pytester, "torch")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")

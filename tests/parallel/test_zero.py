@@ -439,8 +439,12 @@ def _results(world: int) -> list[dict]:
 
 
 WORLDS = (2, 3)
-CASES = ([(w, o, m, None) for w in WORLDS for o in OPTIMIZERS for m in MODES]
-         + [(w, o, "zero1", b) for w in WORLDS for o in OPTIMIZERS for b in BUCKETS])
+WORLD_PARAMS = [pytest.param(w, marks=[pytest.mark.slow] if w == 3 else []) for w in WORLDS]
+# World 3 (uneven shards) is a second spawned job of ~10 s per xdist worker that draws one of its cases: slow
+# (`--run-slow`, as .ci/run runs the suite).
+CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 3 else [])
+         for case in ([(w, o, m, None) for w in WORLDS for o in OPTIMIZERS for m in MODES]
+                      + [(w, o, "zero1", b) for w in WORLDS for o in OPTIMIZERS for b in BUCKETS])]
 
 
 def _key(opt_name: str, mode: str, buckets: str | None) -> tuple:
@@ -484,7 +488,9 @@ def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mod
     assert by_rank[-1]["format_after_step"] == zero.LOCAL_FORMAT  # a step makes the consolidated copy stale
 
 
-MEMORY_CASES = [(w, m, None) for w in WORLDS for m in MODES] + [(w, "zero1", b) for w in WORLDS for b in BUCKETS]
+MEMORY_CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 3 else [])
+                for case in [(w, m, None) for w in WORLDS for m in MODES] + [(w, "zero1", b) for w in WORLDS
+                                                                             for b in BUCKETS]]
 
 
 @pytest.mark.parametrize("world, mode, buckets", MEMORY_CASES)
@@ -532,7 +538,7 @@ def test_reduce_scatters_launched_from_backward_and_bounded_gathers(world, opt_n
             assert steps[1]["before"] == steps[1]["buckets"] >= {"one": 3, "several": 4, "per-tensor": 7}[buckets]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_overlap_hooks_do_not_keep_the_optimizer_alive_and_reject_a_second_backward(world):
     for res in _results(world):
         res = res["overlap"]
@@ -543,7 +549,7 @@ def test_overlap_hooks_do_not_keep_the_optimizer_alive_and_reject_a_second_backw
         assert res["frozen_counts"] == [0, 0, 1], res["frozen_counts"]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_overlap_releases_gradients_once_packed(world):
     """With overlap, p.grad is None once its bucket is packed: after backward when every bucket launched
     from the hooks, otherwise after step() (which packs the rest); gradient_tensors() reports the shard
@@ -559,7 +565,7 @@ def test_overlap_releases_gradients_once_packed(world):
         assert all(partial["before"]) == (rank == 0), (rank, partial)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_gloo_fallback_reduce_scatter(world):
     for rank, res in enumerate(_results(world)):
         res = res["fallback"]
@@ -569,7 +575,7 @@ def test_gloo_fallback_reduce_scatter(world):
         torch.testing.assert_close(res["sharded"], res["ref"])
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_distributed_errors(world):
     for res in _results(world):
         errors = res["errors"]
