@@ -52,8 +52,10 @@ def _check_shapes(mode, shapes, device, tolerance):
             torch.testing.assert_close(a, e, **tolerance, msg=lambda m: f"{mode} {b, h, hkv, n, d, dtype, causal} {name}: {m}")
 
 
+# default and dynamic=True in the default run; static and mark_dynamic (~4 s each) are slow (`--run-slow`).
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="the interpreter's CPU run (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] if m in ("static", "mark_dynamic") else [])
+                                  for m in MODES])
 def test_compiled_calls_at_changing_shapes_match_eager_in_the_interpreter(mode):
     shapes = [(2, 2, 2, 40, 16, torch.float32, True), (1, 4, 2, 72, 16, torch.float32, False),
               (2, 2, 1, 33, 32, torch.float32, True)]  # N, K/V heads, head dim and mask change between calls
