@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -113,3 +114,17 @@ def test_analyze_reports_an_aa_false_alarm_and_refuses_a_folder_without_two_a_ru
     assert [a["verdict"] for a in result["aa_false_alarms"]] == ["regressed"]
     (tmp_path / "leaderboard--a2.json").unlink()
     assert cal.main(["analyze", str(tmp_path)]) == 2
+
+
+@pytest.mark.slow  # ~12 s of bootstrap intervals: CI's run
+def test_the_documented_h200_calibration_is_what_the_committed_runs_give():
+    """docs/regression-gating.md's table of measured power is recomputed from results/h200/gate-validation with
+    the committed benchmarks.json: runs, comparisons, false alarms, spread and detection bounds agree."""
+    root = Path(__file__).resolve().parents[2]
+    table = cal.markdown(cal.analyze(root / "results/h200/gate-validation", matrix.load())).split("\n\n")[0]
+    computed = {row.split(" | ")[0].strip("| "): row.split(" | ")[2:] for row in table.splitlines()[2:]}
+    doc = (root / "docs/regression-gating.md").read_text()
+    for group, cells in computed.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {group} ("))
+        documented = [re.sub(r" \(.*\)", "", cell).strip(" |") for cell in row.split(" | ")[2:]]
+        assert documented == [cell.strip(" |") for cell in cells], (group, documented, cells)
