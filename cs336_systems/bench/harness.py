@@ -425,8 +425,10 @@ def synthetic_slowdown(step: Step, hook: Callable[[], None] | None, device, frac
     number of clock cycles) its rate; every later round runs the step, then a sleep of fraction * t.  The
     sleep is queued on the step's stream, so all three timings (and a captured CUDA graph) include it.
     Where the GPU waits on the host (a host-bound step), the sleep can overlap that wait and the slowdown
-    reads smaller: the calibration reports the ratio each case measured.  ``event``, ``sync`` and ``sleep``
-    are injectable for tests."""
+    reads smaller; on calls of tens of microseconds the sleep kernel's own launch and minimum length, and
+    under graph timing the eager probe's longer time, make it read larger.  So the calibration reports the
+    ratio each case measured, not the fraction asked for.  ``event``, ``sync`` and ``sleep`` are injectable
+    for tests."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"{SLOWDOWN_ENV} must be a fraction from 0 to 1, got {fraction}")
     if fraction == 0.0:
