@@ -333,13 +333,12 @@ def _statistical_gate(bench_session, config: pytest.Config, strict: bool) -> tup
                 saved[name] = data
             else:
                 without_samples.append(name)
-    new, groups, fields = {}, {}, {}
+    new, fields = {}, {}
     for bench in bench_session.benchmarks:
         if bench and bench.stats is not None and getattr(bench.stats, "data", None):
             new[bench.fullname] = list(bench.stats.data)
             fields[bench.fullname] = bench.extra_info or {}
-            groups[bench.fullname] = fields[bench.fullname].get("group") or ""
-    verdicts = significance.compare(saved, new, groups, matrix.load(matrix.DEFAULT_PATH).gate_settings, fields)
+    verdicts = significance.compare(saved, new, fields, matrix.load(matrix.DEFAULT_PATH).gate_settings)
     problems = []
     unsampled = sorted(name for name in without_samples if name in new)
     if unsampled:

@@ -59,8 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cs336_systems.bench import machine, matrix
-from cs336_systems.reporting import significance
-from cs336_systems.reporting.run_files import check_stats, read_run
+from cs336_systems.reporting.run_files import check_stats, read_run, rounded_samples
 from cs336_systems.reporting.tables import commit_label
 
 BASELINE_NAME = "0001_baseline.json"
@@ -140,7 +139,7 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None, later_wins: b
                          "groups, or pass --later-wins to keep each case from the last file that has it")
     skip = ("benchmarks", "oom", "perf_groups", "perf_not_timed")
     out = {key: value for key, value in first.items() if key not in skip}
-    out["benchmarks"] = [_rounded_samples(record) for kind, record in merged.values() if kind == "benchmarks"]
+    out["benchmarks"] = [rounded_samples(record) for kind, record in merged.values() if kind == "benchmarks"]
     out["oom"] = [record for kind, record in merged.values() if kind == "oom"]
     out["cs336_groups"] = sorted({g for run in runs for g in run_groups(run)})
     out["cs336_case_sources"] = {name: Path(origin[name]).name for name in merged}
@@ -149,15 +148,6 @@ def merge_runs(runs: list[dict], sources: list[str] | None = None, later_wins: b
          "dirty": bool((run.get("commit_info") or {}).get("dirty")), "groups": run_groups(run)}
         for run, source in zip(runs, sources)]
     return out
-
-
-def _rounded_samples(record: dict) -> dict:
-    """The record with its per-round times (``stats.data``, what the statistical gate tests) kept to four
-    significant digits, or as it is when the run dropped them."""
-    stats = record.get("stats") or {}
-    if not isinstance(stats.get("data"), list):
-        return record
-    return {**record, "stats": {**stats, "data": significance.rounded(stats["data"])}}
 
 
 def dropped(old: dict, new: dict) -> tuple[list[str], list[str]]:

@@ -37,7 +37,7 @@ def load_cases(path: str | Path) -> tuple[dict, dict[str, dict]]:
         key = bench.get("fullname") or bench.get("name", "")
         cases[key] = {"name": bench.get("name", key), "status": bench.get("extra_info", {}).get("status", "ok"),
                       "median_s": bench.get("stats", {}).get("median"), "samples": bench.get("stats", {}).get("data"),
-                      "group": bench.get("extra_info", {}).get("group") or "", "fields": bench.get("extra_info", {})}
+                      "fields": bench.get("extra_info", {})}
     for oom in data.get("oom", []):
         key = oom.get("fullname") or oom.get("name", "")
         cases[key] = {"name": oom.get("name", key), "status": "oom", "median_s": None}
@@ -106,9 +106,8 @@ def compare_runs(old: str | Path, new: str | Path, threshold: float = COMPARE_TH
 
         verdicts = significance.compare({k: old_cases[k]["samples"] for k in sampled},
                                         {k: new_cases[k]["samples"] for k in sampled},
-                                        {k: new_cases[k]["group"] for k in sampled},
-                                        matrix.load(matrix.DEFAULT_PATH).gate_settings,
-                                        {k: new_cases[k]["fields"] for k in sampled})
+                                        {k: new_cases[k]["fields"] for k in sampled},
+                                        matrix.load(matrix.DEFAULT_PATH).gate_settings)
         lines += ["## Statistical verdicts (per-round samples; benchmarks.json \"regression\")", "",
                   significance.summary(verdicts), "", significance.table(verdicts), ""]
     for title, only in (("Only in the old run", [k for k in old_cases if k not in new_cases]),

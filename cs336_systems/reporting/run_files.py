@@ -49,22 +49,29 @@ def _time(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
+def rounded_samples(record: dict) -> dict:
+    """The benchmark record with its per-round times (``stats.data``, what the statistical gate tests) kept to
+    four significant digits (`significance.rounded`), or as it is when the run dropped them."""
+    from cs336_systems.reporting import significance  # (numpy: only when asked)
+
+    stats = record.get("stats") or {}
+    if not isinstance(stats.get("data"), list):
+        return record
+    return {**record, "stats": {**stats, "data": significance.rounded(stats["data"])}}
+
+
 def compact(path: str | Path) -> tuple[int, int]:
     """Rewrite a saved run in place as the results tree keeps it: JSON without indentation, each case's
     per-round times (``stats.data``) to four significant digits (what baselines keep and the statistical
     gate tests; the statistics pytest-benchmark computed from the full-precision times stay as they are).
     Returns the sizes in bytes before and after."""
-    from cs336_systems.reporting import significance  # (numpy: only when asked)
-
     path = Path(path)
     before = path.stat().st_size
     data = read_run(path)
     for bench in data["benchmarks"]:
-        stats = bench.get("stats")
-        if isinstance(stats, dict):
-            check_stats(path, bench.get("name", "?"), stats)
-            if isinstance(stats.get("data"), list):
-                stats["data"] = significance.rounded(stats["data"])
+        if isinstance(bench.get("stats"), dict):
+            check_stats(path, bench.get("name", "?"), bench["stats"])
+    data["benchmarks"] = [rounded_samples(bench) for bench in data["benchmarks"]]
     text = json.dumps(data, separators=(",", ":")) + "\n"
     path.write_text(text)
     return before, len(text.encode())

@@ -115,18 +115,16 @@ def decide(old: Sequence[float], new: Sequence[float], settings: GateSettings, c
 
 
 def compare(baseline: Mapping[str, Sequence[float]], run: Mapping[str, Sequence[float]],
-            groups: Mapping[str, str], settings_for: Callable[..., GateSettings],
-            fields: Mapping[str, Mapping] | None = None) -> list[Verdict]:
+            fields: Mapping[str, Mapping], settings_for: Callable[[str, Mapping], GateSettings]) -> list[Verdict]:
     """A verdict for every case of ``run`` (name -> rounds) that ``baseline`` has, in ``run``'s order;
-    ``groups``: case -> its perf group, whose settings ``settings_for(group)`` gives, or, with ``fields``
-    (case -> its extra_info), ``settings_for(group, fields)`` (`bench.matrix.Matrix.gate_settings`: the
-    per-case overrides)."""
+    ``fields``: case -> its extra_info (its perf group under "group"), whose settings ``settings_for(group,
+    fields)`` gives (`bench.matrix.Matrix.gate_settings`: the group's, or a per-case override's)."""
     verdicts = []
     for case, new in run.items():
         if case in baseline:
-            group = groups.get(case, "")
-            settings = settings_for(group) if fields is None else settings_for(group, fields.get(case, {}))
-            verdicts.append(decide(baseline[case], new, settings, case, group))
+            info = fields.get(case, {})
+            group = info.get("group") or ""
+            verdicts.append(decide(baseline[case], new, settings_for(group, info), case, group))
     return verdicts
 
 

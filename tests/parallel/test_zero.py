@@ -439,12 +439,17 @@ def _results(world: int) -> list[dict]:
 
 
 WORLDS = (2, 3)
-WORLD_PARAMS = [pytest.param(w, marks=[pytest.mark.slow] if w == 3 else []) for w in WORLDS]
-# World 3 (uneven shards) is a second spawned job of ~10 s per xdist worker that draws one of its cases: slow
-# (`--run-slow`, as .ci/run runs the suite).
-CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 3 else [])
-         for case in ([(w, o, m, None) for w in WORLDS for o in OPTIMIZERS for m in MODES]
-                      + [(w, o, "zero1", b) for w in WORLDS for o in OPTIMIZERS for b in BUCKETS])]
+
+
+def _by_world(cases) -> list:
+    """pytest params of (world, ...) cases.  World 3 (uneven shards) is a second spawned job of ~10 s per xdist
+    worker that draws one of its cases: slow (`--run-slow`, as .ci/run runs the suite)."""
+    return [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 3 else []) for case in cases]
+
+
+WORLD_PARAMS = _by_world((w,) for w in WORLDS)
+CASES = _by_world([(w, o, m, None) for w in WORLDS for o in OPTIMIZERS for m in MODES]
+                  + [(w, o, "zero1", b) for w in WORLDS for o in OPTIMIZERS for b in BUCKETS])
 
 
 def _key(opt_name: str, mode: str, buckets: str | None) -> tuple:
@@ -488,9 +493,8 @@ def test_consolidate_state_dict_equals_unsharded_state_dict(world, opt_name, mod
     assert by_rank[-1]["format_after_step"] == zero.LOCAL_FORMAT  # a step makes the consolidated copy stale
 
 
-MEMORY_CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 3 else [])
-                for case in [(w, m, None) for w in WORLDS for m in MODES] + [(w, "zero1", b) for w in WORLDS
-                                                                             for b in BUCKETS]]
+MEMORY_CASES = _by_world([(w, m, None) for w in WORLDS for m in MODES] + [(w, "zero1", b) for w in WORLDS
+                                                                          for b in BUCKETS])
 
 
 @pytest.mark.parametrize("world, mode, buckets", MEMORY_CASES)

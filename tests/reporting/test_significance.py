@@ -89,7 +89,8 @@ def test_compare_pairs_cases_by_name_and_uses_each_groups_settings():
     old = {"a": rounds(1e-3, 30, 0.01, 1), "b": rounds(1e-3, 30, 0.01, 2), "gone": [1.0] * 8}
     new = {"a": rounds(1.08e-3, 30, 0.01, 3), "b": rounds(1.08e-3, 30, 0.01, 4), "new": [1.0] * 8}
     settings = {"kernels": GateSettings(min_effect=0.05), "e2e": GateSettings(min_effect=0.10)}
-    verdicts = significance.compare(old, new, {"a": "kernels", "b": "e2e"}, settings.__getitem__)
+    verdicts = significance.compare(old, new, {"a": {"group": "kernels"}, "b": {"group": "e2e"}},
+                                    lambda group, fields: settings[group])
     # 8% slower: past the kernels' 5% minimum effect, inside the end-to-end group's 10%
     assert [(v.case, v.verdict) for v in verdicts] == [("a", "regressed"), ("b", "unchanged")]
     table = significance.table(verdicts)
@@ -125,8 +126,9 @@ def test_case_overrides_apply_to_the_cases_they_match_first_match_winning():
     assert parsed.gate_settings("leaderboard") == GateSettings(0.03, 0.002)  # no fields: the group's
     old, new = {"f": rounds(1e-3, 30, 0.01, 1), "b": rounds(1e-3, 30, 0.01, 2)}, {
         "f": rounds(1.1e-3, 30, 0.01, 3), "b": rounds(1.1e-3, 30, 0.01, 4)}
-    verdicts = significance.compare(old, new, {"f": "leaderboard", "b": "leaderboard"}, parsed.gate_settings,
-                                    {"f": {"mode": "forward", "head_dim": 128}, "b": {"mode": "backward"}})
+    verdicts = significance.compare(old, new, {"f": {"group": "leaderboard", "mode": "forward", "head_dim": 128},
+                                               "b": {"group": "leaderboard", "mode": "backward"}},
+                                    parsed.gate_settings)
     assert [(v.case, v.verdict) for v in verdicts] == [("f", "unchanged"), ("b", "regressed")]
     assert loaded_default_forward_override() == GateSettings(0.10, 0.002)
     for bad, match in (({"group": "leaderbord", "match": {"mode": "forward"}}, r"cases\[0\].group: no grid"),
