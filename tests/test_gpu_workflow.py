@@ -236,6 +236,7 @@ def test_project_clis_and_torchrun_accept_their_options():
     assert {"cs336_systems.gates", "cs336_systems.report"} <= called, called
 
 
+@pytest.mark.slow  # two pytest subprocesses, each importing the project and torch (~6 s)
 def test_pytest_options_and_markers_exist():
     help_text, markers = pytest_outputs("--help", "--markers")
     for job in jobs():

@@ -427,6 +427,7 @@ def test_comparing_a_group_the_baseline_does_not_cover_fails(project):
     assert "the baseline does not cover group(s) g2 (1 case(s)); it covers g1" in other.stdout.str()
 
 
+@pytest.mark.slow  # four isolated perf sessions (~9 s)
 def test_baseline_refresh_runs_each_group_spec_then_merges_or_stops_at_a_failing_one(project):
     assert Path.cwd() == project.path  # pytester runs each test from its folder: the CLI's relative paths
     (project.path / "benchmarks.json").write_text(json.dumps(dict(TWO_GROUPS, gates=[])))
