@@ -6,8 +6,8 @@ Triton's interpreter or under torch.compile) names the number of examples a thor
 
     @settings(max_examples=max_examples(25), deadline=None)
 
-  dev        the default: 40% of each named count, rounded up, but never fewer than 2 (or than the count,
-             when it is 1), and 40 for a test that names no count
+  dev        the default: 30% of each named count, rounded up, but never fewer than 2 (or than the count,
+             when it is 1), and 30 for a test that names no count
   thorough   every count as named, and Hypothesis's own 100 for a test that names none: what CI runs
              (`.ci/run`)
 
@@ -31,7 +31,7 @@ from hypothesis import settings
 
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
 THOROUGH = 100  # Hypothesis's default max_examples: the scale at which counts are used as named
-PROFILES = {"dev": 40, "thorough": THOROUGH}
+PROFILES = {"dev": 30, "thorough": THOROUGH}
 FEWEST = 2  # a scaled count still draws more than one example (the named count permitting)
 
 for _name, _count in PROFILES.items():

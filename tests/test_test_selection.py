@@ -62,7 +62,7 @@ def test_asking_for_slow_tests_runs_them(project, args, ran):
         result.stdout.no_fnmatch_line(left_out)
 
 
-@pytest.mark.parametrize("thorough, dev", [(1, 1), (2, 2), (5, 2), (10, 4), (12, 5), (25, 10), (150, 60)])
+@pytest.mark.parametrize("thorough, dev", [(1, 1), (2, 2), (5, 2), (10, 3), (12, 4), (25, 8), (150, 45)])
 def test_example_counts_scale_by_profile(thorough, dev):
     assert hypothesis_profiles.max_examples(thorough, settings.get_profile("dev")) == dev
     assert hypothesis_profiles.max_examples(thorough, settings.get_profile("thorough")) == thorough
