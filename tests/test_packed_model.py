@@ -37,7 +37,8 @@ def test_packing_positions_offsets_and_boundary_targets():
         model.Packing.of([3, 0])
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "every-1"])
+# with checkpointing the same comparison recomputes every block (~4 s): slow, as .ci/run runs it
+@pytest.mark.parametrize("checkpoint", ["none", pytest.param("every-1", marks=pytest.mark.slow)])
 def test_a_packed_row_gives_each_document_its_own_logits_loss_and_gradients(checkpoint):
     lm, docs = tiny(checkpoint), documents()
     packing = model.Packing.of(LENGTHS)

@@ -268,6 +268,7 @@ def test_too_old_transformers_is_named_in_the_reason(monkeypatch):
 PERF_WITHOUT_TRANSFORMERS = "import sys\nsys.modules['transformers'] = None  # as if not installed\n"
 
 
+@pytest.mark.slow  # an isolated perf session (~4 s)
 def test_perf_suite_records_the_baseline_as_skipped_with_the_install_command(pytester, monkeypatch):
     """The real perf/test_end_to_end.py in a pytest session where transformers cannot be imported: our case
     runs, the baseline's is skipped with the reason, and the saved run records why it has no time."""

@@ -55,6 +55,7 @@ def test_spawn_reports_a_rank_that_exits_without_a_result_at_once():
     assert time.monotonic() - start < 60  # not the job's deadline (180 s)
 
 
+@pytest.mark.slow  # two spawned jobs, one of them waited out (~7 s)
 def test_spawn_kills_a_hung_job():
     # A job first, so that the forkserver (started once per process, importing torch) is up: a 5 s startup_s
     # then bounds forking the ranks only; the server's own start took longer than that under a loaded xdist run.

@@ -170,6 +170,7 @@ def test_committed_baselines_are_valid_and_complete():
         assert data["machine_info"]["cs336_systems"]["gpu_name"].startswith("NVIDIA H")
 
 
+@pytest.mark.slow  # a CLI subprocess per bad input, each importing torch (~5 s)
 def test_cli_lists_groups_and_reports_bad_input(tmp_path):
     groups = subprocess.run([sys.executable, "-m", "cs336_systems.baseline", "--groups", "gpu"],
                             capture_output=True, text=True, check=True).stdout.split()
