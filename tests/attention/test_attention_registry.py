@@ -166,7 +166,8 @@ def test_gpu_pinned_backend_without_a_kernel_for_the_inputs_is_refused_with_the_
     assert attention.attention(q, q, q, is_causal=True, impl="sdpa-efficient").shape == q.shape
 
 
-@pytest.mark.parametrize("impl", ["naive", "naive-compiled", "sdpa"])
+# naive-compiled is torch.compile of naive's code (~5.5 s to compile both passes): slow, as .ci/run runs it.
+@pytest.mark.parametrize("impl", ["naive", pytest.param("naive-compiled", marks=pytest.mark.slow), "sdpa"])
 def test_grouped_query_attention_matches_repeated_heads(impl):
     """k, v with fewer heads than q: the implementations that take it agree with MHA on K/V repeated per group
     (query head h reads K/V head h // group), values and gradients."""

@@ -38,11 +38,16 @@ LOG2E = 1.4426950408889634
 ROW_BYTES_FULL_TILES = 256  # 16-bit d <= 128, float32 d <= 64: 64 x 64 tiles, Triton's default pipelining
 
 
-def tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for every varlen kernel.  Shared memory grows with a tile row's
-    bytes (element size x padded head dim) times the pipelined K/V (or Q/dO) stages: 64 x 64 tiles at three
-    stages need about 256 KB once a row is 512 bytes (float32 at d 128, 16-bit at d 256), past the 227 KB
-    an H100 program may take; 32 x 32 tiles at two stages (one past 512 bytes) stay under 100 KB."""
+KERNELS = ("fwd", "dq", "dkdv")
+
+
+def tiles(dtype: torch.dtype, head_dim: int, kernel: str = "fwd") -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for the varlen ``kernel`` (one of KERNELS).  Shared memory grows with
+    a tile row's bytes (element size x padded head dim) times the pipelined K/V (or Q/dO) stages: 64 x 64
+    tiles at three stages need about 256 KB once a row is 512 bytes (float32 at d 128, 16-bit at d 256), past
+    the 227 KB an H100 program may take; 32 x 32 tiles at two stages (one past 512 bytes) stay under 100 KB."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     row = torch.empty((), dtype=dtype).element_size() * _block_d(head_dim)
     if row <= ROW_BYTES_FULL_TILES:
         return 64, 64, 4, 3
@@ -230,7 +235,7 @@ def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool):
     batch = cu_q.shape[0] - 1
     o = torch.empty_like(q)
     lse = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
-    block_m, block_n, warps, stages = tiles(q.dtype, d)
+    block_m, block_n, warps, stages = tiles(q.dtype, d, "fwd")
     if batch and max_q:
         varlen_fwd_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, lse, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -248,7 +253,7 @@ def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     dots, block_d = precision(q.dtype), _block_d(d)
-    block_m, block_n, warps, stages = tiles(q.dtype, d)
+    block_m, block_n, warps, stages = tiles(q.dtype, d, "dq")
     if batch and max_q:
         varlen_dq_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, do, lse, delta, dq, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -256,6 +261,7 @@ def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bo
             total_q, heads, group, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dots, BLOCK_D=block_d,
             num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = tiles(q.dtype, d, "dkdv")
     if batch and max_k:
         varlen_dkdv_kernel[(triton.cdiv(max_k, block_n), batch * k.shape[1])](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
