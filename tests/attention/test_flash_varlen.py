@@ -88,6 +88,12 @@ def test_wide_rows_take_the_small_tiles_and_match(causal):
 
     assert varlen.tiles(torch.float32, 128)[:2] == (32, 32) and varlen.tiles(torch.bfloat16, 128)[:2] == (64, 64)
     assert varlen.tiles(torch.bfloat16, 256)[:2] == (32, 32) and varlen.tiles(torch.float32, 256)[3] == 1
+    # dK/dV takes 128-key tiles where a row is at most 128 bytes (16-bit d <= 64), the others keep theirs
+    assert varlen.tiles(torch.bfloat16, 64, "dkdv") == (32, 128, 4, 3) == varlen.tiles(torch.float32, 32, "dkdv")
+    assert varlen.tiles(torch.bfloat16, 64, "dq") == varlen.tiles(torch.bfloat16, 64, "fwd") == (64, 64, 4, 3)
+    assert varlen.tiles(torch.bfloat16, 128, "dkdv") == (64, 64, 4, 3)
+    with pytest.raises(ValueError, match="kernel must be one of .*got 'bwd'"):
+        varlen.tiles(torch.bfloat16, 64, "bwd")
     assert_matches(*packed([1, 45, 0, 70], 4, 2, 128, torch.float32, CPU, 9), causal)
 
 
@@ -128,6 +134,27 @@ def test_bad_arguments_are_refused_naming_them(change, match):
         return
     with pytest.raises(ValueError, match=match):
         flash_attention_varlen(**args)
+
+
+@INTERPRETED
+def test_offsets_are_read_once_until_they_change(monkeypatch):
+    """The value checks read the offsets on the host (a synchronization): the same unchanged pair is read once;
+    an in-place change, other sizes or other tensors are read again."""
+    from cs336_systems.attention import flash_varlen
+
+    reads = []
+    check = flash_varlen._check_offsets
+    monkeypatch.setattr(flash_varlen, "_check_offsets", lambda name, *a: reads.append(name) or check(name, *a))
+    q, k, v, _, cu_q, cu_k = packed([4, 5, 11], 2, 2, 32, torch.float32, CPU, 1)
+    for _ in range(3):
+        flash_attention_varlen(q, k, v, cu_q, cu_k, 11, 11, True)
+    assert reads == ["cu_seqlens_q", "cu_seqlens_k"]
+    flash_attention_varlen(q, k, v, cu_q, cu_k, 12, 11, True)  # another max_seqlen_q: read again
+    flash_attention_varlen(q, k, v, cu_q.clone(), cu_k, 11, 11, True)  # equal values, another tensor: read again
+    assert len(reads) == 6
+    cu_q[2] = 3  # in place: decreasing now
+    with pytest.raises(ValueError, match="cu_seqlens_q must not decrease"):
+        flash_attention_varlen(q, k, v, cu_q, cu_k, 11, 11, True)
 
 
 @pytest.mark.gpu
