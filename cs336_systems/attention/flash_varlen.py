@@ -11,9 +11,7 @@ not.  Causal masking is aligned at each sequence's first token, as the dense pat
 sees its keys j <= i).  d a multiple of 8 from 8 to 256; float32, bfloat16, float16 (as the dense path: no
 bfloat16 under Triton's interpreter).  Forward and backward are the portable kernels of
 `kernels.portable.varlen`; both are `torch.library` operators (cs336::flash_attn_varlen_fwd / _bwd, with
-fake kernels), so `torch.compile(fullgraph=True)` traces a call; a traced call with static sizes on a GPU
-runs them as `torch.library.triton_op`s (cs336::flash_attn_varlen_fwd_inductor / _bwd_inductor), whose
-kernels inductor launches itself.
+fake kernels), so `torch.compile(fullgraph=True)` traces a call.
 
 Eager calls check the offsets' values (increasing from 0, ending at the token count, within the max
 lengths), which reads them on the host: a synchronization that leaves the GPU idle while the host launches
@@ -155,48 +153,13 @@ def _bwd_fake(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, is_causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# What a traced call runs: `torch.library.triton_op`s whose bodies run as Python while the graph is traced.
-# With every size a plain int, on a GPU, they launch the kernels through `wrap_triton`, which inductor puts in
-# its own graph and launches with its generated launcher: no custom-op dispatch or Triton argument binding per
-# call at run time (the xl model at context 512 calls attention 48 times a step, and its packed forward and
-# backward were host-bound through the opaque ops above: host share 1.00, results/h200/e2e-packed.json).
-# Symbolic sizes (dynamic shapes) and the interpreter's CPU tensors take the opaque ops, whose Python runs on
-# each call's concrete sizes.
-def _launch_traceable(q, k, cu_q, max_q, max_k) -> bool:
-    sizes = (*q.shape, *k.shape, *cu_q.shape, max_q, max_k)
-    return q.is_cuda and not KERNELS_INTERPRETED and all(isinstance(n, int) for n in sizes)
-
-
-@torch.library.triton_op("cs336::flash_attn_varlen_fwd_inductor", mutates_args=())
-def _fwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                  max_q: int, max_k: int, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _launch_traceable(q, k, cu_q, max_q, max_k):
-        return torch.ops.cs336.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal)
-    return varlen.forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, wrap=torch.library.wrap_triton)
-
-
-@torch.library.triton_op("cs336::flash_attn_varlen_bwd_inductor", mutates_args=())
-def _bwd_inductor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                  do: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-                  is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not _launch_traceable(q, k, cu_q, max_q, max_k):
-        return torch.ops.cs336.flash_attn_varlen_bwd(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, is_causal)
-    return varlen.backward(q, k, v, o, lse, _unit_last(do), cu_q, cu_k, max_q, max_k, is_causal,
-                           wrap=torch.library.wrap_triton)
-
-
-def _eager(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-
-
 class FlashAttentionVarlen(torch.autograd.Function):
     """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal) -> o (module
     docstring); inputs checked by `flash_attention_varlen`."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, is_causal):
-        op = torch.ops.cs336.flash_attn_varlen_fwd if _eager(q) else torch.ops.cs336.flash_attn_varlen_fwd_inductor
-        o, lse = op(q, k, v, cu_q, cu_k, max_q, max_k, is_causal)
+        o, lse = torch.ops.cs336.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, is_causal)
         return o
@@ -206,9 +169,7 @@ class FlashAttentionVarlen(torch.autograd.Function):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and grad_out.requires_grad:
             raise RuntimeError("flash_attention_varlen does not support double backward")
-        ops = torch.ops.cs336
-        op = ops.flash_attn_varlen_bwd if _eager(grad_out) else ops.flash_attn_varlen_bwd_inductor
-        dq, dk, dv = op(q, k, v, o, lse, grad_out, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = torch.ops.cs336.flash_attn_varlen_bwd(q, k, v, o, lse, grad_out, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
 
 

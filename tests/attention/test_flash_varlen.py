@@ -165,29 +165,3 @@ def test_gpu_packed_documents_match_each_document_alone(dtype, causal):
     assert_matches(*packed(lengths, 8, 2, 64, dtype, torch.device("cuda"), 5), causal)
     assert_matches(*packed([300, 77], 4, 4, 128, dtype, torch.device("cuda"), 6), causal)
     assert_matches(*packed([200, 1, 90], 4, 1, 256, dtype, torch.device("cuda"), 7), causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_gpu_compiled_calls_launch_the_kernels_through_inductor_at_static_sizes(dynamic):
-    """Compiled with static sizes the triton_ops put the varlen kernels in inductor's own code (no opaque op
-    call); with symbolic sizes they take the opaque ops.  Either way the results are the eager call's, bit for
-    bit (the same kernels and tiles)."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    q, k, v, do, cu_q, cu_k = packed([5, 300, 0, 77, 1], 4, 2, 64, torch.bfloat16, torch.device("cuda"), 13)
-    compiled = torch.compile(flash_attention_varlen, fullgraph=True, dynamic=dynamic)
-
-    def step(fn):
-        o = fn(q, k, v, cu_q, cu_k, 300, 300, True)
-        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
-
-    got, codes = run_and_get_code(step, compiled)
-    code = "\n".join(codes)
-    for name in ("varlen_fwd_kernel", "varlen_dq_kernel", "varlen_dkdv_kernel"):
-        assert (name in code) != dynamic, f"{name} {'in' if dynamic else 'not in'} inductor's code (dynamic={dynamic})"
-    assert ("flash_attn_varlen_fwd.default" in code) == dynamic
-    for a, b in zip(got, step(flash_attention_varlen)):
-        assert torch.equal(a, b)
-

@@ -235,13 +235,8 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _direct(kernel):
-    return kernel
-
-
-def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, wrap=_direct):
-    """(o like q, lse (H, total_q) float32); shapes in the module docstring.  ``wrap``: how each kernel is
-    launched (`torch.library.wrap_triton` inside a triton_op, so inductor launches it)."""
+def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool):
+    """(o like q, lse (H, total_q) float32); shapes in the module docstring."""
     total_q, heads, d = q.shape
     group = heads // k.shape[1]
     batch = cu_q.shape[0] - 1
@@ -249,7 +244,7 @@ def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, wrap=_dir
     lse = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
     block_m, block_n, warps, stages = tiles(q.dtype, d, "fwd")
     if batch and max_q:
-        wrap(varlen_fwd_kernel)[(triton.cdiv(max_q, block_m), batch * heads)](
+        varlen_fwd_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, lse, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             o.stride(0), o.stride(1), total_q, heads, group, LOG2E / math.sqrt(d),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision(q.dtype),
@@ -257,8 +252,8 @@ def forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, wrap=_dir
     return o, lse
 
 
-def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bool, wrap=_direct):
-    """(dq like q, dk like k, dv like v); dO ``do`` like q; ``wrap`` as in `forward`."""
+def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bool):
+    """(dq like q, dk like k, dv like v); dO ``do`` like q."""
     total_q, heads, d = q.shape
     group = heads // k.shape[1]
     batch = cu_q.shape[0] - 1
@@ -267,7 +262,7 @@ def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bo
     dots, block_d = precision(q.dtype), _block_d(d)
     block_m, block_n, warps, stages = tiles(q.dtype, d, "dq")
     if batch and max_q:
-        wrap(varlen_dq_kernel)[(triton.cdiv(max_q, block_m), batch * heads)](
+        varlen_dq_kernel[(triton.cdiv(max_q, block_m), batch * heads)](
             q, k, v, o, do, lse, delta, dq, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
             total_q, heads, group, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
@@ -275,7 +270,7 @@ def backward(q, k, v, o, lse, do, cu_q, cu_k, max_q: int, max_k: int, causal: bo
             num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = tiles(q.dtype, d, "dkdv")
     if batch and max_k:
-        wrap(varlen_dkdv_kernel)[(triton.cdiv(max_k, block_n), batch * k.shape[1])](
+        varlen_dkdv_kernel[(triton.cdiv(max_k, block_n), batch * k.shape[1])](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
             dv.stride(1), total_q, heads, group, 1.0 / math.sqrt(d), LOG2E / math.sqrt(d),
