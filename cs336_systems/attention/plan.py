@@ -39,7 +39,7 @@ AT_RUN_TIME = "at run time"
 GLUON_TRITON_VERSIONS = ("3.6.",)
 # Head dims each Gluon kernel has ("on" takes every one of them).
 KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "dq": (64, 80, 96, 128, 256),
-                    "dkdv": (64, 80, 96, 128, 256), "fused": (64, 128)}
+                    "dkdv": (64, 80, 96, 128, 256), "fused": (64, 80, 96, 128)}
 WS_HEAD_DIMS = (64, 128)  # the forward's warp-specialized kernel (hopper/forward_ws) at these head dims
 MAX_SLICES = 65535  # a grid's second dimension: (z, h) slices of one launch
 

@@ -41,20 +41,25 @@ def test_every_gluon_module_has_the_same_interface_and_the_plan_knows_its_head_d
 
 
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
-def test_fused_backward_prep_and_post_kernels_match_torch():
+@pytest.mark.parametrize("d", [64, 80])
+def test_fused_backward_prep_and_post_kernels_match_torch(d):
     """The fused backward's two small kernels (the Gluon kernel itself runs only on sm_90): delta =
     rowsum(O * dO) with a zeroed float32 dQ accumulator, then dQ = accumulator · scale in dQ's dtype and
-    strides; token-major views of O and dQ, a ragged last row block."""
-    z, h, n, d = 2, 3, 70, 64
+    strides; token-major views of O and dQ, a ragged last row block; at d 80 a 128-column register tile
+    whose columns past d touch nothing (the accumulator's neighbours stay as they were)."""
+    z, h, n = 2, 3, 70
+    tile = 1 << (d - 1).bit_length()
     o = torch.randn(z, n, h, d, dtype=torch.float16).transpose(1, 2)
     do = torch.randn(z, h, n, d, dtype=torch.float16)
-    delta, dqa = torch.empty(z, h, n), torch.full((z, h, n, d), 7.0)
-    fused_hopper._prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], D=d, BLOCK=64)
+    delta, dqa = torch.empty(z, h, n), torch.full((z, h, n, d + 1), 7.0)  # a column past d: must stay 7
+    fused_hopper._prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], D=d,
+                                          D_TILE=tile, BLOCK=64)
     torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
-    assert not dqa.any()
+    flat = dqa.flatten()[: z * h * n * d]  # the accumulator the kernel addresses: (Z, H, N, d) contiguous
+    assert not flat.any() and torch.equal(dqa.flatten()[z * h * n * d:], torch.full((z * h * n,), 7.0))
     dqa = torch.randn(z, h, n, d)
     dq = torch.empty(z, n, h, d, dtype=torch.float16).transpose(1, 2)
-    fused_hopper._post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], 0.125, D=d, BLOCK=64)
+    fused_hopper._post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], 0.125, D=d, D_TILE=tile, BLOCK=64)
     assert torch.equal(dq, (dqa * 0.125).half())
 
 

@@ -1,8 +1,8 @@
-"""Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dims 64 and 128: dQ, dK and dV from one pass
-over the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
+"""Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dims 64, 80, 96 and 128: dQ, dK and dV from
+one pass over the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
 
     backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal)
-    q, o, do, dq: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32, d 64 or 128
+    q, o, do, dq: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32, d 64-128
     dqa: (Z, H, Nq, d) float32 contiguous (dQ's accumulator, zeroed here)
 
 Three launches: `_prep_kernel` (delta = rowsum(O * dO), dqa = 0), `flash_bwd_hopper_kernel`, `_post_kernel`
@@ -23,6 +23,10 @@ owns 128 keys of one (z, h_kv) and walks the query rows of every query head of i
         64-row steps, columns (d/2)w .. + d/2 (K's column slice)
         that part (float32) to the consumer's staging tile
     writer (1 warp):     each staging tile reduce-added into dqa by TMA (`cp.reduce.async.bulk.tensor`)
+
+d 80 and 96 run in d 128's 128-wide tiles: TMA zero-fills the columns past d on loads and drops them on
+stores, and the two products over d (S^T, dP^T) skip the zero columns in two slices (64 + d - 64, as the other
+Gluon kernels at these head dims); dV, dK and dQ keep the whole width.
 
 Every product's A operand is a register tile or a shared slice, so a consumer holds S^T and dP^T (64
 registers a thread each at d 64, 32 at d 128), dK and dV (32 each at d 64, 64 at d 128) and its dQ part (32)
@@ -68,12 +72,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels.hopper import common
 from cs336_systems.attention.kernels.portable.launch import direct
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows).
 # 64-row steps at d 64 do not spill, yet measured no faster causal and 4% slower without the mask
 # (docs/flash-attention-experiments.md, Section 8)
+# d 80 and 96 run in d 128's tiles (`common.tile_dim`: TMA zero-fills the columns past d), with the two
+# products over d (S^T, dP^T) in slices that skip the zeros (`common.d_split`)
 BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
 DS_STAGES = 2  # one stage measured slower (docs/flash-attention-experiments.md, Section 8)
@@ -201,7 +207,8 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr, DQ_N: gl.cons
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
               group, W: gl.constexpr, CAUSAL: gl.constexpr, RAGGED_KEYS: gl.constexpr,
-              NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+              NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              D_SPLIT: gl.constexpr):
     """Keys start_n + 64 W .. + 64: dK and dV, and this consumer's (64, 64) part of every step's dQ (rows
     64 W .. + 64 at d 64, columns at d 128; module docstring)."""
     dtype: gl.constexpr = dk_desc.dtype
@@ -226,6 +233,7 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     DQ_N: gl.constexpr = 64 if BLOCK_M == 128 else HEAD_DIM // 2  # the columns of a consumer's dQ part
     dq_layout: gl.constexpr = common.mma_layout(4, DQ_N)
     dq_zero = gl.zeros([64, DQ_N], gl.float32, layout=dq_layout)
+    DP_GROUPS: gl.constexpr = 2 if D_SPLIT > 0 else 1  # wgmma groups of a product over d (`common.dot_nt`)
     s_zero = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, 64, layout=key_layout)
     # keys past Nk are zero-filled: their scores are 0 and exp(-L) could overflow the input dtype (L very
@@ -241,10 +249,10 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        s_tok = common.dot_nt(k_smem, q_s, s_zero, 0)
-        dp_tok = common.dot_nt(v_smem, do_s, s_zero, 0)
+        s_tok = common.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
+        dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
         lse = lse_buf.index(stage).load(col_layout)
-        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, q_s))[0]
+        s_t = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, q_s))[0]  # dP^T's groups still running
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
         need_mask = rel >= full_end
         if RAGGED_KEYS:
@@ -304,7 +312,7 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
 def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
                             qk_scale, n_q, n_k, heads, kv_heads, group, CAUSAL: gl.constexpr,
                             RAGGED_KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, D_SPLIT: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
@@ -345,10 +353,10 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 0, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 0, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
                      ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 1, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM)),
+                     group, 1, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
                      empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, NUM_STAGES, BLOCK_M)),
         (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL, BLOCK_M, HEAD_DIM)),
@@ -356,30 +364,33 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 
 
 @triton.jit
-def _row_block(n_q, heads, D: tl.constexpr, BLOCK: tl.constexpr):
-    """The program's (z * H + h, z, h), its BLOCK query rows and D columns, and the rows-inside-Nq mask
-    ((BLOCK, 1)): grid (row blocks, Z * H)."""
+def _row_block(n_q, heads, D: tl.constexpr, D_TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The program's (z * H + h, z, h), its BLOCK query rows and D columns (in a register tile of D_TILE, the
+    power of two at or above D), and the mask of rows inside Nq and columns inside D ((BLOCK, D_TILE)): grid
+    (row blocks, Z * H)."""
     zh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    return zh, zh // heads, zh % heads, rows, tl.arange(0, D), rows[:, None] < n_q
+    cols = tl.arange(0, D_TILE)
+    return zh, zh // heads, zh % heads, rows, cols, (rows[:, None] < n_q) & (cols[None, :] < D)
 
 
 @triton.jit
 def _prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, D: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 D_TILE: tl.constexpr, BLOCK: tl.constexpr):
     """delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their own strides); their rows of the
     float32 dQ accumulator (contiguous) zeroed."""
-    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, BLOCK)
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
     o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
     do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
     tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
-    tl.store(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32), mask=m)
+    tl.store(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], tl.zeros(o.shape, tl.float32), mask=m)
 
 
 @triton.jit
-def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, BLOCK: tl.constexpr):
+def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, D_TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """dQ = dqa · scale in dQ's dtype and strides, BLOCK rows of one (z, h)."""
-    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, BLOCK)
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
     x = tl.load(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], mask=m, other=0.0)
     tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
              mask=m)
@@ -400,21 +411,22 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     z, heads, n_q, d = q.shape
     if d not in HEAD_DIMS:
         raise ValueError(f"the fused Hopper backward takes head dims {HEAD_DIMS}; got d={d}")
-    block_m = BLOCK_M[d]
+    width = common.tile_dim(d)  # the kernel's tile: 128 at d 80 and 96
+    block_m = BLOCK_M[width]
     kv_heads = k.shape[1]
     rows = (triton.cdiv(n_q, 64), z * heads)
     wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
-                             do.stride(1), do.stride(2), D=d, BLOCK=64)
+                             do.stride(1), do.stride(2), D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
     grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
     wrap(flash_bwd_hopper_kernel)[grid](
         common.descriptor(q, block_m), common.descriptor(k, BLOCK_N), common.descriptor(v, BLOCK_N),
         common.descriptor(do, block_m), common.descriptor(dk, 64), common.descriptor(dv, 64),
-        _accumulator_descriptor(dqa, 64 if block_m == 128 else d // 2),
+        _accumulator_descriptor(dqa, 64 if block_m == 128 else width // 2),
         lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
         heads // kv_heads,
         CAUSAL=causal, RAGGED_KEYS=k.shape[-2] % BLOCK_N != 0, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES,
-        CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1],
+        CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], D_SPLIT=common.d_split(d),
         num_warps=4, maxnreg=MAXNREG,
     )
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
-                             D=d, BLOCK=64)
+                             D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
