@@ -63,6 +63,38 @@ def test_fused_backward_prep_and_post_kernels_match_torch(d):
     assert torch.equal(dq, (dqa * 0.125).half())
 
 
+@pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
+@pytest.mark.parametrize("d, splits", [(64, 2), (80, 3)])
+def test_fused_backward_sums_the_partials_of_a_split_group(d, splits):
+    """Grouped heads split among programs: dK and dV are the sums of the float32 partials over the splits,
+    cast into their own strides (token-major here), rows past Nk and columns past d (d 80 in a 128-wide
+    tile) left out."""
+    z, kv_heads, n = 2, 3, 70
+    width, rows = 1 << (d - 1).bit_length(), 128  # rows: the key blocks' 128 rows each
+    parts = [torch.randn(splits, z * kv_heads, rows, width) for _ in range(2)]
+    dk = torch.zeros(z, n, kv_heads, d, dtype=torch.float16).transpose(1, 2)
+    dv = torch.zeros(z, kv_heads, n, d, dtype=torch.float16)
+    fused_hopper._sum_kernel[(2, z * kv_heads)](*parts, dk, dv, n, rows, z * kv_heads, splits, kv_heads,
+                                               *dk.stride()[:3], *dv.stride()[:3], D=d, WIDTH=width, BLOCK=64)
+    for out, part in zip((dk, dv), parts):
+        expected = part.sum(0)[:, :n, :d].reshape(z, kv_heads, n, d)
+        assert torch.equal(out, expected.half())
+
+
+def test_group_splits_fill_the_grid_with_divisors_of_the_group():
+    """The fewest parts (a divisor of the group) that give the grid SPLIT_PER_SM programs per SM."""
+    sms, target = 132, fused_hopper.SPLIT_PER_SM * 132
+    assert fused_hopper.group_splits(1, 8, sms) == 1  # no group to split
+    assert fused_hopper.group_splits(4, target, sms) == 1  # enough programs already
+    for group, programs in ((32, 64), (4, 100), (6, 64), (32, 1), (7, 10)):
+        splits = fused_hopper.group_splits(group, programs, sms)
+        assert group % splits == 0
+        fewer = [s for s in range(1, splits) if group % s == 0]
+        assert programs * splits >= target or splits == group
+        assert all(programs * s < target for s in fewer), (group, programs, splits)
+    assert fused_hopper.group_splits(32, 64, sms) == 8 and fused_hopper.group_splits(32, 1, sms) == 32
+
+
 def _planned(forward="portable", backward="two-kernel", dq="portable", dkdv="portable"):
     return Plan(forward, backward, "-" if backward == "fused" else dq, "-" if backward == "fused" else dkdv, "eager")
 
@@ -561,9 +593,12 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
 @example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True, seed=3)
 @example(heads=(4, 1), nq=2048, nk=2048, d=64, is_causal=True, dtype=torch.float16, token_major=True, seed=4)
 @example(heads=(3, 3), nq=255, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=5)
+@example(heads=(4, 1), nq=1000, nk=257, d=80, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=6)
+@example(heads=(8, 2), nq=128, nk=1025, d=96, is_causal=False, dtype=torch.float16, token_major=False, seed=7)
 def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
     """dQ, dK, dV of the fused backward (flash_bwd_hopper, forced on) against float64: ragged ends, Nq != Nk,
-    one query or one key, key blocks that see no query, grouped K/V heads, token-major views, d 64 and 128."""
+    one query or one key, key blocks that see no query, grouped K/V heads (on these small grids each group
+    split among programs, with partial dK and dV summed after), token-major views, every head dim it has."""
     q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
     real = fused_hopper.launch
@@ -577,13 +612,19 @@ def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causa
 
 @pytest.mark.gpu
 @ON_HOPPER
-@pytest.mark.parametrize("z, heads, n, d, is_causal", [(2, (4, 4), 1000, 64, True), (1, (8, 2), 700, 128, False)])
-def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d, is_causal):
+@pytest.mark.parametrize("z, heads, n, d, is_causal, split", [(2, (4, 4), 1000, 64, True, False),
+                                                              (1, (8, 2), 700, 128, False, False),
+                                                              (1, (8, 2), 700, 80, True, True)])
+def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d, is_causal, split):
     """The fused backward's three launches are recorded like the others, its float32 dQ accumulator taken as
     an extra slot: the next calls of the signature replay them.  dK and dV equal the ordinary call's bit for
     bit; dQ is summed by TMA reductions whose order varies from run to run, so it is compared within
-    float32 rounding of the accumulator (one unit in the last place of the output dtype)."""
+    float32 rounding of the accumulator (one unit in the last place of the output dtype).  A group split
+    among programs (``split``) allocates its partial sums per call, which a recording refuses: every call
+    then takes the ordinary path, with the same dK and dV bit for bit."""
     monkeypatch.setenv("CS336_FLASH_FUSED_BWD", "1")
+    if not split:
+        monkeypatch.setattr(fused_hopper, "group_splits", lambda *args: 1)
     q, k, v = (token_major_view(z, heads[i > 0], n, d, torch.bfloat16, i).requires_grad_() for i in range(3))
     grad_out = torch.randn_like(q)
 
@@ -606,6 +647,9 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
         torch.testing.assert_close(dq, expected[0], rtol=2 ** -7, atol=1e-3)
     plans = [plan for plan in table.values() if plan is not None and any(
         launch.compiled.name == "flash_bwd_hopper_kernel" for launch in plan.launches)]
+    if split:
+        assert not plans and len(ran) == 3
+        return
     assert len(plans) == 1 and len(plans[0].launches) == 3
     assert len(ran) == 1  # recorded at the first call, replayed at the next two
 

@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels.hopper import common
-from cs336_systems.attention.kernels.portable.launch import direct
+from cs336_systems.attention.kernels.portable.launch import direct, sm_count
 
 HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_N = 128  # keys per program: two consumers of 64
@@ -83,6 +83,8 @@ BLOCK_N = 128  # keys per program: two consumers of 64
 BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
 DS_STAGES = 2  # one stage measured slower (docs/flash-attention-experiments.md, Section 8)
+# grouped heads: split each group among programs until the grid has this many programs per SM (`group_splits`)
+SPLIT_PER_SM = 2
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
 # by `setmaxnreg`: 240 for the worker consumer warpgroup and 24 (the least) for the workers' warpgroup; the
 # first consumer (the default partition) gets what is left, 168 x 3 - 240 - 24 = 240.  Both consumers still
@@ -102,6 +104,18 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _kv_slice(kv_heads, group, splits):
+    """This program's K/V head and its share of the group's query heads (grid dimension 1: Z * H_kv * splits,
+    the splits of one K/V head adjacent): (z, K/V head, split, first query head, query heads)."""
+    pid = gl.program_id(1)
+    zkv = pid // splits
+    split = pid % splits
+    kv_head = zkv % kv_heads
+    per_split = group // splits
+    return zkv // kv_heads, kv_head, split, kv_head * group + split * per_split, per_split
+
+
+@gluon.jit
 def _steps(start_n, n_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """(first query tile, query tiles per head, steps): causal programs skip the tiles before their keys."""
     if CAUSAL:
@@ -115,24 +129,22 @@ def _steps(start_n, n_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
-              empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+              empty, L, Delta, n_q, heads, kv_heads, group, splits, CAUSAL: gl.constexpr,
+              NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
     """K and V once; per step Q, dO (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage
     both consumers released.  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
     vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     start_n = gl.program_id(0) * _BLOCK_N
-    zh = gl.program_id(1)
-    z = zh // kv_heads
-    kv_head = zh % kv_heads
+    z, kv_head, split, h0, per_split = _kv_slice(kv_heads, group, splits)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
     tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL, BLOCK_M)
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, per_split, CAUSAL, BLOCK_M)
     for t in range(n_iter):
         stage = t % NUM_STAGES
         if t >= NUM_STAGES:
             mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
-        h = kv_head * group + t // m_tiles
+        h = h0 + t // m_tiles
         m0 = (lo_tile + t % m_tiles) * BLOCK_M
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
@@ -148,17 +160,15 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_b
 
 
 @gluon.jit
-def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: gl.constexpr,
+def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, splits, CAUSAL: gl.constexpr,
             BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Per step, each consumer's finished dQ rows reduce-added into dqa; the staging tile is released once
     the copy has read it."""
     start_n = gl.program_id(0) * _BLOCK_N
-    zh = gl.program_id(1)
-    z = zh // kv_heads
-    kv_head = zh % kv_heads
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, group, CAUSAL, BLOCK_M)
+    z, kv_head, split, h0, per_split = _kv_slice(kv_heads, group, splits)
+    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, per_split, CAUSAL, BLOCK_M)
     for t in range(n_iter):
-        h = kv_head * group + t // m_tiles
+        h = h0 + t // m_tiles
         m0 = (lo_tile + t % m_tiles) * BLOCK_M
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
@@ -205,18 +215,18 @@ def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr, DQ_N: gl.cons
 
 @gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-              ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-              group, W: gl.constexpr, CAUSAL: gl.constexpr, RAGGED_KEYS: gl.constexpr,
+              ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, DKP, DVP, sm_scale, qk_scale, n_q, n_k,
+              kv_heads, group, splits, W: gl.constexpr, CAUSAL: gl.constexpr, RAGGED_KEYS: gl.constexpr,
               NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              D_SPLIT: gl.constexpr):
+              D_SPLIT: gl.constexpr, PARTIALS: gl.constexpr):
     """Keys start_n + 64 W .. + 64: dK and dV, and this consumer's (64, 64) part of every step's dQ (rows
-    64 W .. + 64 at d 64, columns at d 128; module docstring)."""
+    64 W .. + 64 at d 64, columns at d 128; module docstring).  PARTIALS: dK and dV of this program's share
+    of the group go to float32 partial sums (DKP, DVP: (splits, Z * H_kv, key blocks * 128, HEAD_DIM)
+    contiguous), which `_sum_kernel` adds up."""
     dtype: gl.constexpr = dk_desc.dtype
     start_blk = gl.program_id(0) * _BLOCK_N
     start_n = start_blk + W * 64
-    zh = gl.program_id(1)
-    z = zh // kv_heads
-    kv_head = zh % kv_heads
+    z, kv_head, split, h0, per_split = _kv_slice(kv_heads, group, splits)
     s_layout: gl.constexpr = common.mma_layout(4, BLOCK_M)
     acc_layout: gl.constexpr = common.mma_layout(4, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -225,7 +235,7 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     k_all = k_buf.reshape([_BLOCK_N, HEAD_DIM])
     k_smem = k_all.slice(W * 64, 64, 0)
     v_smem = v_buf.reshape([_BLOCK_N, HEAD_DIM]).slice(W * 64, 64, 0)
-    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, group, CAUSAL, BLOCK_M)
+    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, per_split, CAUSAL, BLOCK_M)
     full_end = n_q // BLOCK_M - lo_tile  # relative tiles with no rows past Nq
     diag_tiles = _BLOCK_N // BLOCK_M  # causal: the steps over the block's own 128 queries
     dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -297,22 +307,32 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
                          HEAD_DIM)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W, DQ_N)
-    # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
-    mbarrier.arrive(done, count=1)
-    v_smem.store(dv.to(dtype))
-    mbarrier.wait(done, 0)
-    k_smem.store((dk * sm_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf.slice(W * 64, 64, 2))
-    tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf.slice(W * 64, 64, 2))
-    tma.store_wait(0)
+    if PARTIALS:  # float32, straight from the registers (no shared memory: K is still the other's operand)
+        rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        row0 = (split * (gl.num_programs(1) // splits) + z * kv_heads + kv_head).to(gl.int64) * (
+            gl.num_programs(0) * _BLOCK_N)
+        offsets = (row0 + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(cols, 0)
+        gl.store(DKP + offsets, dk * sm_scale)
+        gl.store(DVP + offsets, dv)
+    else:
+        # K is both consumers' dQ operand: overwrite it with dK only once both are done with it
+        mbarrier.arrive(done, count=1)
+        v_smem.store(dv.to(dtype))
+        mbarrier.wait(done, 0)
+        k_smem.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf.slice(W * 64, 64, 2))
+        tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf.slice(W * 64, 64, 2))
+        tma.store_wait(0)
 
 
 @gluon.jit
-def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, sm_scale,
-                            qk_scale, n_q, n_k, heads, kv_heads, group, CAUSAL: gl.constexpr,
+def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, DKP, DVP, L, Delta,
+                            sm_scale, qk_scale, n_q, n_k, heads, kv_heads, group, splits, CAUSAL: gl.constexpr,
                             RAGGED_KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, DS_STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, D_SPLIT: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, D_SPLIT: gl.constexpr,
+                            PARTIALS: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
@@ -352,14 +372,16 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 0, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT)),
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, DKP, DVP, sm_scale, qk_scale, n_q, n_k,
+                     kv_heads, group, splits, 0, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT,
+                     PARTIALS)),
         (_consumer, (done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
-                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, sm_scale, qk_scale, n_q, n_k, kv_heads,
-                     group, 1, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT)),
+                     ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, DKP, DVP, sm_scale, qk_scale, n_q, n_k,
+                     kv_heads, group, splits, 1, CAUSAL, RAGGED_KEYS, NUM_STAGES, DS_STAGES, BLOCK_M, HEAD_DIM, D_SPLIT,
+                     PARTIALS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
-                     empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL, NUM_STAGES, BLOCK_M)),
-        (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL, BLOCK_M, HEAD_DIM)),
+                     empty, L, Delta, n_q, heads, kv_heads, group, splits, CAUSAL, NUM_STAGES, BLOCK_M)),
+        (_writer, (dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, splits, CAUSAL, BLOCK_M, HEAD_DIM)),
     ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
 
@@ -396,6 +418,40 @@ def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, 
              mask=m)
 
 
+@triton.jit
+def _sum_kernel(DKP, DVP, DK, DV, n_k, rows_padded, zkv_count, splits, kv_heads, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n,
+                D: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """dK and dV = the sums of their float32 partials over the splits (DKP, DVP: (splits, Z * H_kv,
+    rows_padded, WIDTH) contiguous), in dK's and dV's dtypes and strides: BLOCK key rows of one (z, h_kv);
+    grid (row blocks, Z * H_kv).  The splits are added in order: deterministic."""
+    zkv = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, WIDTH)
+    offsets = (zkv * rows_padded + rows[:, None]).to(tl.int64) * WIDTH + cols[None, :]
+    stride = zkv_count.to(tl.int64) * rows_padded * WIDTH
+    dk = tl.zeros([BLOCK, WIDTH], tl.float32)
+    dv = tl.zeros([BLOCK, WIDTH], tl.float32)
+    for split in range(splits):
+        dk += tl.load(DKP + split * stride + offsets)
+        dv += tl.load(DVP + split * stride + offsets)
+    z, h = zkv // kv_heads, zkv % kv_heads
+    m = (rows[:, None] < n_k) & (cols[None, :] < D)
+    tl.store(DK + z * sk_z + h * sk_h + rows[:, None] * sk_n + cols[None, :], dk.to(DK.dtype.element_ty), mask=m)
+    tl.store(DV + z * sv_z + h * sv_h + rows[:, None] * sv_n + cols[None, :], dv.to(DV.dtype.element_ty), mask=m)
+
+
+def group_splits(group: int, programs: int, sm_count: int) -> int:
+    """Into how many parts the fused backward splits each K/V head's group of query heads (a divisor of the
+    group): the fewest that give ``programs`` (key blocks x Z x H_kv) times that at least `SPLIT_PER_SM`
+    programs per SM; 1 without grouped heads or with enough programs already."""
+    splits = 1
+    while programs * splits < SPLIT_PER_SM * sm_count and splits < group:
+        splits += 1
+        while group % splits:
+            splits += 1
+    return splits
+
+
 def _accumulator_descriptor(dqa: torch.Tensor, columns: int):
     """(1, 1, 64, columns) float32 boxes over dQ's accumulator: a consumer's part of a step."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -417,16 +473,29 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     rows = (triton.cdiv(n_q, 64), z * heads)
     wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
                              do.stride(1), do.stride(2), D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
-    grid = (triton.cdiv(k.shape[-2], BLOCK_N), z * kv_heads)
+    n_k, group = k.shape[-2], heads // kv_heads
+    blocks = triton.cdiv(n_k, BLOCK_N)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    splits = group_splits(group, blocks * z * kv_heads, sm_count(device))
+    if splits < 1 or group % splits:
+        raise ValueError(f"group_splits must divide the group of {group} query heads; got splits={splits}")
+    partials = ()
+    if splits > 1:  # float32 partial dK and dV per split (every row and column written: no zeroing)
+        partials = tuple(torch.empty(splits, z * kv_heads, blocks * BLOCK_N, width, device=q.device,
+                                     dtype=torch.float32) for _ in range(2))
+    grid = (blocks, z * kv_heads * splits)
     wrap(flash_bwd_hopper_kernel)[grid](
         common.descriptor(q, block_m), common.descriptor(k, BLOCK_N), common.descriptor(v, BLOCK_N),
         common.descriptor(do, block_m), common.descriptor(dk, 64), common.descriptor(dv, 64),
-        _accumulator_descriptor(dqa, 64 if block_m == 128 else width // 2),
-        lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], heads, kv_heads,
-        heads // kv_heads,
-        CAUSAL=causal, RAGGED_KEYS=k.shape[-2] % BLOCK_N != 0, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES,
-        CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], D_SPLIT=common.d_split(d),
+        _accumulator_descriptor(dqa, 64 if block_m == 128 else width // 2), *(partials or (lse, lse)),
+        lse, delta, 1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, n_k, heads, kv_heads, group, splits,
+        CAUSAL=causal, RAGGED_KEYS=n_k % BLOCK_N != 0, NUM_STAGES=NUM_STAGES, DS_STAGES=DS_STAGES,
+        CONSUMER_REGS=REGS[0], WORKER_REGS=REGS[1], D_SPLIT=common.d_split(d), PARTIALS=splits > 1,
         num_warps=4, maxnreg=MAXNREG,
     )
+    if splits > 1:
+        wrap(_sum_kernel)[(triton.cdiv(n_k, 64), z * kv_heads)](
+            *partials, dk, dv, n_k, blocks * BLOCK_N, z * kv_heads, splits, kv_heads, *dk.stride()[:3],
+            *dv.stride()[:3], D=d, WIDTH=width, BLOCK=64)
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
                              D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
