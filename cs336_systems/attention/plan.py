@@ -217,7 +217,8 @@ _OPTION_SWITCHES = {"hopper_fwd": "CS336_FLASH_HOPPER_FWD", "hopper_bwd": "CS336
 @dataclass(frozen=True)
 class Rule:
     """Where a Gluon kernel is taken under "auto": ``head_dims``, ``causal`` (None: either), ``min_q`` <=
-    n_q <= ``max_q``, n_k >= ``min_k``, ``same_heads`` (no grouped K/V heads), and at least ``per_sm``
+    n_q <= ``max_q``, n_k >= ``min_k``, ``same_heads`` (no grouped K/V heads) or ``grouped`` (grouped K/V
+    heads only), and at least ``per_sm``
     programs per SM, a program being ``unit`` rows of ``axis`` ("q" or "k") of one head of ``heads`` ("q" or
     "kv"); ``devices``: substrings of the GPU's name the rule holds on (None: every device the kernel runs on;
     a rule measured to differ between GPUs of one architecture names them).  ``reason``: why, in a line;
@@ -232,6 +233,7 @@ class Rule:
     max_q: int | None = None
     min_k: int = 0
     same_heads: bool = False
+    grouped: bool = False
     per_sm: int = 0
     axis: str = "q"
     unit: int = 128
@@ -246,7 +248,7 @@ class Rule:
         return ((self.devices is None or any(name in device.name for name in self.devices))
                 and p.head_dim in self.head_dims and (self.causal is None or self.causal == p.causal)
                 and p.n_q >= self.min_q and (self.max_q is None or p.n_q <= self.max_q) and p.n_k >= self.min_k
-                and (not self.same_heads or p.heads == p.kv_heads)
+                and (not self.same_heads or p.heads == p.kv_heads) and (not self.grouped or p.heads != p.kv_heads)
                 and self.programs(p) >= self.per_sm * device.sm_count)
 
     def text(self) -> str:
@@ -259,6 +261,8 @@ class Rule:
             parts.append(f"Nk >= {self.min_k}")
         if self.same_heads:
             parts.append("no grouped heads")
+        if self.grouped:
+            parts.append("grouped heads")
         if self.devices:
             parts.append(f"on {' / '.join(self.devices)}")
         if self.per_sm:
@@ -307,10 +311,17 @@ RULES: tuple[Rule, ...] = (
     Rule("fused", (128,), "five tile products instead of seven; pays from 1024 queries at d 128",
          f"H100, 0.69-0.94x the two kernels from N 1024 to 65536 ({_EXP} §8)",
          causal=True, min_q=1024, per_sm=1, axis="k", unit=128, heads="kv"),
+    Rule("fused", (80, 96), "d 128's fused pass, products over d in slices: five tile products instead of seven",
+         f"H200, 0.82-0.94x the two kernels' forward+backward at B 4, H 32, N 512 to B 1, H 16, N 32768 ({_EXP} §18)",
+         min_q=512, per_sm=1, axis="k", unit=128, heads="kv"),
+    Rule("fused", (64, 128), "grouped heads: each group split among programs (`group_splits`) fills the grid",
+         f"H200, H 32 / 8 and 32 / 1 at N 8192 (d 64, 128), B 4, H 32 / 8 at N 2048 (d 128) ({_EXP} §18)",
+         causal=True, min_q=2048, grouped=True, per_sm=1, axis="k", unit=128, heads="q"),
     Rule("fused", (64,), "balanced programs without the mask; grouped heads not measured",
          f"H100, 0.87-0.95x the two kernels from N 1024 ({_EXP} §8)", causal=False, min_q=1024, same_heads=True),
     Rule("fused", (128,), "balanced programs without the mask; 1.04x at N 1024, so from 4096",
-         f"H100, 0.78-0.81x the two kernels from N 4096 ({_EXP} §8)", causal=False, min_q=4096, same_heads=True),
+         f"H100, 0.78-0.81x the two kernels from N 4096; H200, H 32 / 8, N 4096 0.80x ({_EXP} §8, §18)",
+         causal=False, min_q=4096),
 )
 KERNELS = ("fwd", "dq", "dkdv", "fused")
 

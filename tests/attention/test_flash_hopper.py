@@ -74,25 +74,32 @@ def test_fused_backward_sums_the_partials_of_a_split_group(d, splits):
     parts = [torch.randn(splits, z * kv_heads, rows, width) for _ in range(2)]
     dk = torch.zeros(z, n, kv_heads, d, dtype=torch.float16).transpose(1, 2)
     dv = torch.zeros(z, kv_heads, n, d, dtype=torch.float16)
-    fused_hopper._sum_kernel[(2, z * kv_heads)](*parts, dk, dv, n, rows, z * kv_heads, splits, kv_heads,
+    fused_hopper._sum_kernel[(2, z * kv_heads)](*parts, dk, dv, n, rows, parts[0][0].numel(), splits, kv_heads,
                                                *dk.stride()[:3], *dv.stride()[:3], D=d, WIDTH=width, BLOCK=64)
     for out, part in zip((dk, dv), parts):
         expected = part.sum(0)[:, :n, :d].reshape(z, kv_heads, n, d)
         assert torch.equal(out, expected.half())
 
 
-def test_group_splits_fill_the_grid_with_divisors_of_the_group():
-    """The fewest parts (a divisor of the group) that give the grid SPLIT_PER_SM programs per SM."""
-    sms, target = 132, fused_hopper.SPLIT_PER_SM * 132
+def test_group_splits_fill_the_grid_and_bound_the_longest_program():
+    """The fewest parts (a divisor of the group) that give the grid SPLIT_PER_SM programs per SM and leave a
+    causal program at most SPLIT_STEPS query steps."""
+    sms, target, most = 132, fused_hopper.SPLIT_PER_SM * 132, fused_hopper.SPLIT_STEPS
     assert fused_hopper.group_splits(1, 8, sms) == 1  # no group to split
-    assert fused_hopper.group_splits(4, target, sms) == 1  # enough programs already
-    for group, programs in ((32, 64), (4, 100), (6, 64), (32, 1), (7, 10)):
-        splits = fused_hopper.group_splits(group, programs, sms)
+    assert fused_hopper.group_splits(4, target, sms) == 1  # enough programs already, not causal
+    for group, programs, steps in ((32, 64, 0), (4, 100, 0), (6, 64, 0), (32, 1, 0), (7, 10, 0), (4, 512, 128),
+                                   (4, 512, 32), (8, 1024, 20), (32, 64, 128)):
+        splits = fused_hopper.group_splits(group, programs, sms, steps)
         assert group % splits == 0
-        fewer = [s for s in range(1, splits) if group % s == 0]
-        assert programs * splits >= target or splits == group
-        assert all(programs * s < target for s in fewer), (group, programs, splits)
+
+        def enough(s):
+            return programs * s >= target and steps * (group // s) <= most
+
+        assert enough(splits) or splits == group
+        assert not any(enough(s) for s in range(1, splits) if group % s == 0), (group, programs, steps, splits)
     assert fused_hopper.group_splits(32, 64, sms) == 8 and fused_hopper.group_splits(32, 1, sms) == 32
+    assert fused_hopper.group_splits(4, 512, sms, steps=128) == 4  # H 32 / 8, N 8192, d 128
+    assert fused_hopper.group_splits(4, 512, sms, steps=32) == 2  # B 4, H 32 / 8, N 2048, d 128
 
 
 def _planned(forward="portable", backward="two-kernel", dq="portable", dkdv="portable"):

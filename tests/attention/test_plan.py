@@ -37,7 +37,7 @@ TABLE = [
     (problem(1, 16, 16384, 64), (P, FUSED, "-", "-", CUSTOM)),  # d 64: fused from 4096 queries
     (problem(1, 16, 16384, 128), (WS, FUSED, "-", "-", CUSTOM)),
     (problem(4, 25, 512, 64), (P, TWO, P, P, TRITON_OP)),  # the xl model at context 512: inductor launches
-    (problem(4, 32, 512, 80), (HOP, TWO, HOP, HOP, CUSTOM)),  # the 2.7B model at context 512
+    (problem(4, 32, 512, 80), (HOP, FUSED, "-", "-", CUSTOM)),  # the 2.7B model at context 512
     # forward: d 128 (warp-specialized) from 2048 keys and a 128-row program per SM
     (problem(1, 64, 2048, 128, causal=False), (WS, TWO, HOP, HOP, CUSTOM)),  # dK/dV: 2048 programs of 64 keys
     (problem(1, 64, 2048, 128, nk=2047, causal=False), (P, TWO, HOP, HOP, CUSTOM)),
@@ -47,10 +47,10 @@ TABLE = [
     (problem(1, 8, 16384, 256), (HOP, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 64, 8192, 256), (P, TWO, HOP, HOP, CUSTOM)),
     # d 80 / 96: the forward from 512 keys, programs counted in 128-row units
-    (problem(1, 17, 1024, 80, causal=False), (HOP, TWO, HOP, HOP, CUSTOM)),  # 136 units; dK/dV: 272 >= 2/SM
-    (problem(1, 9, 1024, 80, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 72 units
+    (problem(1, 17, 1024, 80, causal=False), (HOP, FUSED, "-", "-", CUSTOM)),  # 136 units (and fused programs)
+    (problem(1, 9, 1024, 80, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 72 units; 72 fused programs: few
     (problem(4, 16, 511, 96), (P, TWO, P, P, TRITON_OP)),
-    (problem(1, 1, 32768, 80), (HOP, TWO, P, HOP, CUSTOM)),  # dQ past 16384 queries: portable
+    (problem(1, 1, 32768, 80), (HOP, FUSED, "-", "-", CUSTOM)),  # 256 fused programs of 128 keys
     # dQ: causal d 64 at 2048-4096 queries with two 64-row programs per SM, d 128 to 8192 with one
     (problem(1, 16, 2048, 64), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 8, 2048, 64), (P, TWO, P, P, TRITON_OP)),  # 256 dQ programs; 256 dK/dV programs
@@ -61,8 +61,11 @@ TABLE = [
     (problem(4, 16, 1024, 64), (P, TWO, P, P, TRITON_OP)),  # below 2048 queries: everything portable
     (problem(1, 5, 2048, 128), (P, TWO, HOP, P, CUSTOM)),  # fused: 80 programs < SMs; dQ 160; dK/dV 160 < 264
     (problem(1, 17, 1024, 128), (P, FUSED, "-", "-", CUSTOM)),  # fused at d 128 from 1024 queries (136 programs)
-    (problem(1, 8, 16384, 128, hkv=1), (WS, TWO, P, P, CUSTOM)),  # MQA: 128 fused programs < SMs
-    (problem(1, 32, 4096, 128, hkv=1), (WS, TWO, HOP, P, CUSTOM)),  # dQ counts query heads: 2048 programs
+    (problem(1, 8, 16384, 128, hkv=1), (WS, FUSED, "-", "-", CUSTOM)),  # MQA: the group split among programs
+    (problem(1, 32, 4096, 128, hkv=1), (WS, FUSED, "-", "-", CUSTOM)),
+    (problem(1, 32, 1024, 128, hkv=1), (P, TWO, P, P, TRITON_OP)),  # grouped: fused from 2048 queries
+    (problem(1, 32, 2048, 64, hkv=8), (P, FUSED, "-", "-", CUSTOM)),  # 16 x 32 query-head programs
+    (problem(1, 2, 2048, 64, hkv=1), (P, TWO, P, P, TRITON_OP)),  # 32 programs even split: few
     # dQ and the fused pass without the mask
     (problem(2, 8, 1024, 128, hkv=2, causal=False), (P, TWO, HOP, P, CUSTOM)),
     (problem(2, 8, 1023, 128, hkv=2, causal=False), (P, TWO, P, P, TRITON_OP)),
@@ -215,7 +218,7 @@ def test_every_rule_has_a_reason_and_a_measurement_and_is_reachable():
         assert set(rule.head_dims) <= set(planning.KERNEL_HEAD_DIMS[rule.kernel]), rule
         # a problem at the rule's lower bounds with plenty of programs takes the kernel
         n = max(rule.min_q, rule.min_k, 64)
-        p = Problem(64, 8, 8, n, max(n, rule.min_k), rule.head_dims[0], BF16,
+        p = Problem(64, 8, 2 if rule.grouped else 8, n, max(n, rule.min_k), rule.head_dims[0], BF16,
                     True if rule.causal is None else rule.causal)
         device = Device.preset("H100") if rule.devices == ("H100",) else H200
         assert rule.matches(p, device), rule

@@ -83,8 +83,11 @@ BLOCK_N = 128  # keys per program: two consumers of 64
 BLOCK_M = {64: 128, 128: 64}
 NUM_STAGES = 2  # Q / dO ring (32 KB a stage at d 64 and 128); dS stages 32 KB (d 64) / 16 KB (d 128) each
 DS_STAGES = 2  # one stage measured slower (docs/flash-attention-experiments.md, Section 8)
-# grouped heads: split each group among programs until the grid has this many programs per SM (`group_splits`)
+# grouped heads: split each group among programs until the grid has this many programs per SM and a causal
+# program walks at most this many query steps (`group_splits`): the splits that measured fastest at H 32 / 8,
+# d 64 and 128, N 2048 and 8192 (H200; docs/flash-attention-experiments.md, Section 18)
 SPLIT_PER_SM = 2
+SPLIT_STEPS = 64
 # the launch's 168 registers a thread over 12 warps (the two one-warp workers fill a warpgroup), rebalanced
 # by `setmaxnreg`: 240 for the worker consumer warpgroup and 24 (the least) for the workers' warpgroup; the
 # first consumer (the default partition) gets what is left, 168 x 3 - 240 - 24 = 240.  Both consumers still
@@ -419,33 +422,39 @@ def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, 
 
 
 @triton.jit
-def _sum_kernel(DKP, DVP, DK, DV, n_k, rows_padded, zkv_count, splits, kv_heads, sk_z, sk_h, sk_n, sv_z, sv_h, sv_n,
-                D: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_kernel(DKP, DVP, DK, DV, n_k, rows_padded, split_stride, splits, kv_heads, sk_z, sk_h, sk_n, sv_z, sv_h,
+                sv_n, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """dK and dV = the sums of their float32 partials over the splits (DKP, DVP: (splits, Z * H_kv,
     rows_padded, WIDTH) contiguous), in dK's and dV's dtypes and strides: BLOCK key rows of one (z, h_kv);
-    grid (row blocks, Z * H_kv).  The splits are added in order: deterministic."""
+    grid (row blocks, Z * H_kv); ``split_stride``: Z * H_kv * rows_padded * WIDTH.  The splits are added in
+    order: deterministic."""
     zkv = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, WIDTH)
     offsets = (zkv * rows_padded + rows[:, None]).to(tl.int64) * WIDTH + cols[None, :]
-    stride = zkv_count.to(tl.int64) * rows_padded * WIDTH
     dk = tl.zeros([BLOCK, WIDTH], tl.float32)
     dv = tl.zeros([BLOCK, WIDTH], tl.float32)
-    for split in range(splits):
-        dk += tl.load(DKP + split * stride + offsets)
-        dv += tl.load(DVP + split * stride + offsets)
+    dkp, dvp = DKP + offsets, DVP + offsets
+    for _ in range(splits):  # pointer steps: 64-bit addresses however large the partials
+        dk += tl.load(dkp)
+        dv += tl.load(dvp)
+        dkp += split_stride
+        dvp += split_stride
     z, h = zkv // kv_heads, zkv % kv_heads
     m = (rows[:, None] < n_k) & (cols[None, :] < D)
     tl.store(DK + z * sk_z + h * sk_h + rows[:, None] * sk_n + cols[None, :], dk.to(DK.dtype.element_ty), mask=m)
     tl.store(DV + z * sv_z + h * sv_h + rows[:, None] * sv_n + cols[None, :], dv.to(DV.dtype.element_ty), mask=m)
 
 
-def group_splits(group: int, programs: int, sm_count: int) -> int:
+def group_splits(group: int, programs: int, sm_count: int, steps: int = 0) -> int:
     """Into how many parts the fused backward splits each K/V head's group of query heads (a divisor of the
-    group): the fewest that give ``programs`` (key blocks x Z x H_kv) times that at least `SPLIT_PER_SM`
-    programs per SM; 1 without grouped heads or with enough programs already."""
+    group): the fewest that give the grid (``programs``: key blocks x Z x H_kv, times the splits) at least
+    `SPLIT_PER_SM` programs per SM and leave the longest program at most `SPLIT_STEPS` query steps
+    (``steps``: the query tiles of one head a causal program walks at most; 0 without the mask, whose
+    programs are balanced); 1 without grouped heads."""
     splits = 1
-    while programs * splits < SPLIT_PER_SM * sm_count and splits < group:
+    while splits < group and (programs * splits < SPLIT_PER_SM * sm_count
+                              or steps * (group // splits) > SPLIT_STEPS):
         splits += 1
         while group % splits:
             splits += 1
@@ -476,7 +485,8 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     n_k, group = k.shape[-2], heads // kv_heads
     blocks = triton.cdiv(n_k, BLOCK_N)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    splits = group_splits(group, blocks * z * kv_heads, sm_count(device))
+    steps = triton.cdiv(n_q, block_m) if causal else 0  # a causal grid's longest program, per query head
+    splits = group_splits(group, blocks * z * kv_heads, sm_count(device), steps)
     if splits < 1 or group % splits:
         raise ValueError(f"group_splits must divide the group of {group} query heads; got splits={splits}")
     partials = ()
@@ -495,7 +505,7 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     )
     if splits > 1:
         wrap(_sum_kernel)[(triton.cdiv(n_k, 64), z * kv_heads)](
-            *partials, dk, dv, n_k, blocks * BLOCK_N, z * kv_heads, splits, kv_heads, *dk.stride()[:3],
+            *partials, dk, dv, n_k, blocks * BLOCK_N, partials[0][0].numel(), splits, kv_heads, *dk.stride()[:3],
             *dv.stride()[:3], D=d, WIDTH=width, BLOCK=64)
     wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
                              D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
