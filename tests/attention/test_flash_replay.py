@@ -419,9 +419,10 @@ def test_gpu_a_signature_that_cannot_be_replayed_is_recorded_once(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_model_shapes_replay_every_launch(monkeypatch):
     """At the models' context 512 (B 4, token-major views) every launch of forward and backward is replayed
-    from the second call on: one forward launch, then dQ and dK/dV."""
+    from the second call on: one forward launch, then dQ and dK/dV (xl, d 64) or the fused backward's three
+    (2.7B, d 80)."""
     monkeypatch.delenv(REPLAY_ENV, raising=False)
-    for heads, d in ((25, 64), (32, 80)):
+    for heads, d, backward in ((25, 64, 2), (32, 80, 3)):
         q, k, v = (token_major_view(4, heads, 512, d, torch.bfloat16, i) for i in range(3))
         grad_out = torch.randn_like(q)
         with pytest.MonkeyPatch.context() as patch:
@@ -431,15 +432,17 @@ def test_gpu_model_shapes_replay_every_launch(monkeypatch):
             _outputs(q, k, v, True, grad_out)
             assert len(count) == 2
             recorded = flash_replays.recorded
-            assert sorted((key[0], len(plan.launches)) for key, plan in recorded.items()) == [("bwd", 2), ("fwd", 1)]
+            assert sorted((key[0], len(plan.launches)) for key, plan in recorded.items()) == [("bwd", backward),
+                                                                                               ("fwd", 1)]
 
 
 @pytest.mark.gpu
 def test_gpu_replays_on_inputs_at_new_addresses_match_the_ordinary_path(monkeypatch):
     """A replay encodes a launch's TMA descriptors once per address (Triton 3.6's direct launches): calls on
     inputs at other addresses, with the earlier inputs alive so that no address comes back, give the ordinary
-    path's results bit for bit; at the model shapes every launch is a direct one on Triton 3.6."""
-    for heads, d in ((25, 64), (32, 80)):
+    path's results bit for bit (dQ of the fused backward at d 80 within a unit in the last place: its float32
+    sums arrive in run-dependent order); at the model shapes every launch is a direct one on Triton 3.6."""
+    for heads, d, launched in ((25, 64, 3), (32, 80, 4)):
         inputs = [[token_major_view(4, heads, 512, d, torch.bfloat16, 3 * i + j) for j in range(3)]
                   for i in range(3)]
         grad_out = torch.randn_like(inputs[0][0])
@@ -449,11 +452,14 @@ def test_gpu_replays_on_inputs_at_new_addresses_match_the_ordinary_path(monkeypa
             patch.setattr(flash_replays, "recorded", {})
             count = _replays(patch)
             for qkv, want in zip(inputs, expected):
-                for got, ordinary in zip(_outputs(*qkv, True, grad_out), want):
-                    assert torch.equal(got, ordinary)
+                for i, (got, ordinary) in enumerate(zip(_outputs(*qkv, True, grad_out), want)):
+                    if i == 1 and d == 80:  # dQ of the fused backward
+                        torch.testing.assert_close(got, ordinary, rtol=2 ** -7, atol=1e-3)
+                    else:
+                        assert torch.equal(got, ordinary)
             assert len(count) == 4  # the second and third calls replayed the forward and the backward
             launches = [launch for plan in flash_replays.recorded.values() for launch in plan.launches]
-            assert len(launches) == 3
+            assert len(launches) == launched
             if flash_replay.DIRECT_TRITON:
                 assert all(launch.direct is not None for launch in launches)
 
