@@ -12,7 +12,7 @@ grid and launch through ``wrap``: `portable.launch.direct`, inductor's `wrap_tri
   forward_ws  the warp-specialized forward (a producer warp, two consumer warpgroups) at d 64 and 128
   dq          dQ (and delta), one warpgroup per 64 query rows
   dkdv        dK and dV, one warpgroup per 64 keys
-  backward    the fused backward at d 64 and 128: dQ, dK and dV from one pass, dQ by TMA reductions
+  backward    the fused backward at d 64-128: dQ, dK and dV from one pass, dQ by TMA reductions
 
 Where each runs (sizes, head dims, devices) is `cs336_systems.attention.plan`'s `RULES`; its
 `KERNEL_HEAD_DIMS` must equal these modules' `HEAD_DIMS` (a test checks).
