@@ -44,7 +44,12 @@ programs of every key block, in an order that varies from run to run (as FlashAt
 Causal: a program's first steps cover the diagonal block (128 keys start at a multiple of 128), the only
 ones masked besides ragged last steps.  Keys past Nk are zero-filled by TMA and masked in the last key
 block (their dK / dV rows are clipped by the stores).  Grouped-query attention: the step loop runs over
-the group's heads in turn, so dK and dV sum over the group without atomics.
+the program's share of the group's heads in turn, so dK and dV sum over them without atomics.  Where one
+program per K/V head's key block would leave fewer than `SPLIT_PER_SM` programs an SM or a causal program
+more than `SPLIT_STEPS` query steps, `group_splits` splits the group among several programs (grid Z * H_kv
+* splits); each then writes float32 partial dK and dV and `_sum_kernel` adds them in split order
+(deterministic).  The partials take 2 x splits x Z x H_kv x key blocks·128 x 128 floats, up to twice the
+dQ accumulator's size at d 128 when the whole group is split (MQA, long causal rows).
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels (its descriptors and layouts are `common`'s); where
 it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).
@@ -338,7 +343,7 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
                             PARTIALS: gl.constexpr):
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    """Grid (key blocks of 128, Z * H_kv); num_warps 4 (the first consumer), plus a consumer warpgroup, the
+    """Grid (key blocks of 128, Z * H_kv * splits); num_warps 4 (the first consumer), plus a consumer warpgroup, the
     producer warp and the writer warp as workers.  Shared memory at d 64 (d 128): K, V 32 (64) KB; the ring
     2 x 32 KB; the dS tiles 2 x 32 (16) KB; the dQ staging tiles 2 x 16 KB: 195 (194) KB with the ring's L and
     delta rows."""
