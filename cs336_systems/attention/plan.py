@@ -312,16 +312,20 @@ RULES: tuple[Rule, ...] = (
          f"H100, 0.69-0.94x the two kernels from N 1024 to 65536 ({_EXP} §8)",
          causal=True, min_q=1024, per_sm=1, axis="k", unit=128, heads="kv"),
     Rule("fused", (80, 96), "d 128's fused pass, products over d in slices: five tile products instead of seven",
-         f"H200, 0.82-0.94x the two kernels' forward+backward at B 4, H 32, N 512 to B 1, H 16, N 32768 ({_EXP} §18)",
-         min_q=512, per_sm=1, axis="k", unit=128, heads="kv"),
+         f"H200, 0.80-0.97x the two kernels' forward+backward at B 4, H 32, N 512 to B 1, H 16, N 32768; "
+         f"not yet measured on an H100 ({_EXP} §18)",
+         min_q=512, per_sm=1, axis="k", unit=128, heads="kv", devices=("H200",)),
     Rule("fused", (64, 128), "grouped heads: each group split among programs (`group_splits`) fills the grid",
-         f"H200, H 32 / 8 and 32 / 1 at N 8192 (d 64, 128), B 4, H 32 / 8 at N 2048 (d 128) ({_EXP} §18)",
-         causal=True, min_q=2048, grouped=True, per_sm=1, axis="k", unit=128, heads="q"),
+         f"H200, H 32 / 8 and 32 / 1 at N 8192 (d 64, 128), B 4, H 32 / 8 at N 2048 (d 128); not yet measured "
+         f"on an H100 ({_EXP} §18)",
+         causal=True, min_q=2048, grouped=True, per_sm=1, axis="k", unit=128, heads="q", devices=("H200",)),
     Rule("fused", (64,), "balanced programs without the mask; grouped heads not measured",
          f"H100, 0.87-0.95x the two kernels from N 1024 ({_EXP} §8)", causal=False, min_q=1024, same_heads=True),
     Rule("fused", (128,), "balanced programs without the mask; 1.04x at N 1024, so from 4096",
-         f"H100, 0.78-0.81x the two kernels from N 4096; H200, H 32 / 8, N 4096 0.80x ({_EXP} §8, §18)",
-         causal=False, min_q=4096),
+         f"H100, 0.78-0.81x the two kernels from N 4096 ({_EXP} §8)", causal=False, min_q=4096, same_heads=True),
+    Rule("fused", (128,), "grouped heads without the mask: the two kernels' dK/dV is the portable one there",
+         f"H200, H 32 / 8, N 4096: 0.80x the two kernels; not yet measured on an H100 ({_EXP} §18)",
+         causal=False, min_q=4096, grouped=True, devices=("H200",)),
 )
 KERNELS = ("fwd", "dq", "dkdv", "fused")
 
