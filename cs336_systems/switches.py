@@ -78,8 +78,8 @@ REGISTRY: dict[str, Switch] = {s.name: s for s in (
            "portable forward: split each row's keys across this many programs (1: never split).",
            pattern=r"[1-9][0-9]*", affects_kernels=True),
     Switch("CS336_FLASH_GROUP_SPLITS", None, "the launcher's rule",
-           "portable dK/dV with grouped K/V heads: split each group's query heads across this many programs (a "
-           "divisor of the group).", pattern=r"[1-9][0-9]*", affects_kernels=True),
+           "dK/dV with grouped K/V heads (the portable kernel and the fused Gluon backward): split each group's "
+           "query heads across this many programs (a divisor of the group).", pattern=r"[1-9][0-9]*", affects_kernels=True),
     Switch("CS336_FLASH_SPLIT_D", ("0", "1"), "split forward tiles where measured faster",
            "head dims that are not a power of two: 0 one padded tile everywhere, 1 split tiles in every kernel "
            "(experimental: faults under load on Hopper with Triton 3.6).", affects_kernels=True),

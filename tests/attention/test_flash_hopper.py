@@ -81,9 +81,11 @@ def test_fused_backward_sums_the_partials_of_a_split_group(d, splits):
         assert torch.equal(out, expected.half())
 
 
-def test_group_splits_fill_the_grid_and_bound_the_longest_program():
+def test_group_splits_fill_the_grid_and_bound_the_longest_program(monkeypatch):
     """The fewest parts (a divisor of the group) that give the grid SPLIT_PER_SM programs per SM and leave a
-    causal program at most SPLIT_STEPS query steps."""
+    causal program at most SPLIT_STEPS query steps; CS336_FLASH_GROUP_SPLITS forces a divisor, as it does the
+    portable dK/dV's."""
+    monkeypatch.delenv("CS336_FLASH_GROUP_SPLITS", raising=False)
     sms, target, most = 132, fused_hopper.SPLIT_PER_SM * 132, fused_hopper.SPLIT_STEPS
     assert fused_hopper.group_splits(1, 8, sms) == 1  # no group to split
     assert fused_hopper.group_splits(4, target, sms) == 1  # enough programs already, not causal
@@ -100,6 +102,10 @@ def test_group_splits_fill_the_grid_and_bound_the_longest_program():
     assert fused_hopper.group_splits(32, 64, sms) == 8 and fused_hopper.group_splits(32, 1, sms) == 32
     assert fused_hopper.group_splits(4, 512, sms, steps=128) == 4  # H 32 / 8, N 8192, d 128
     assert fused_hopper.group_splits(4, 512, sms, steps=32) == 2  # B 4, H 32 / 8, N 2048, d 128
+    monkeypatch.setenv("CS336_FLASH_GROUP_SPLITS", "2")
+    assert fused_hopper.group_splits(32, 64, sms) == 2 and fused_hopper.group_splits(4, 512, sms, steps=128) == 2
+    with pytest.raises(ValueError, match="CS336_FLASH_GROUP_SPLITS must be a positive divisor of the group size 3"):
+        fused_hopper.group_splits(3, 64, sms)
 
 
 def _planned(forward="portable", backward="two-kernel", dq="portable", dkdv="portable"):

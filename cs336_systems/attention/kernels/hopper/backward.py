@@ -75,7 +75,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels.hopper import common
-from cs336_systems.attention.kernels.portable.launch import direct, sm_count
+from cs336_systems.attention.kernels.portable.launch import (
+    direct,
+    fewest_group_splits,
+    forced_group_splits,
+    sm_count,
+)
 
 HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_N = 128  # keys per program: two consumers of 64
@@ -453,17 +458,13 @@ def _sum_kernel(DKP, DVP, DK, DV, n_k, rows_padded, split_stride, splits, kv_hea
 
 def group_splits(group: int, programs: int, sm_count: int, steps: int = 0) -> int:
     """Into how many parts the fused backward splits each K/V head's group of query heads (a divisor of the
-    group): the fewest that give the grid (``programs``: key blocks x Z x H_kv, times the splits) at least
-    `SPLIT_PER_SM` programs per SM and leave the longest program at most `SPLIT_STEPS` query steps
-    (``steps``: the query tiles of one head a causal program walks at most; 0 without the mask, whose
-    programs are balanced); 1 without grouped heads."""
-    splits = 1
-    while splits < group and (programs * splits < SPLIT_PER_SM * sm_count
-                              or steps * (group // splits) > SPLIT_STEPS):
-        splits += 1
-        while group % splits:
-            splits += 1
-    return splits
+    group): ``CS336_FLASH_GROUP_SPLITS`` where set, else the fewest that give the grid (``programs``: key
+    blocks x Z x H_kv, times the splits) at least `SPLIT_PER_SM` programs per SM and leave the longest
+    program at most `SPLIT_STEPS` query steps (``steps``: the query tiles of one head a causal program walks
+    at most; 0 without the mask, whose programs are balanced); 1 without grouped heads.  The portable dK/dV's
+    rule (`portable.launch.fewest_group_splits`) with the bound on steps."""
+    return forced_group_splits(group) or fewest_group_splits(group, programs, sm_count, SPLIT_PER_SM, steps,
+                                                             SPLIT_STEPS)
 
 
 def _accumulator_descriptor(dqa: torch.Tensor, columns: int):

@@ -231,6 +231,30 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
 GROUP_SPLITS_ENV = "CS336_FLASH_GROUP_SPLITS"
 
 
+def forced_group_splits(group: int) -> int | None:
+    """The split count ``CS336_FLASH_GROUP_SPLITS`` forces (ValueError unless a divisor of ``group``), or None."""
+    forced = switches.read(GROUP_SPLITS_ENV)
+    if not forced:
+        return None
+    if group % int(forced):
+        raise ValueError(f"{GROUP_SPLITS_ENV} must be a positive divisor of the group size {group}, got {forced!r}")
+    return int(forced)
+
+
+def fewest_group_splits(group: int, programs: int, sms: int, per_sm: int = 2, steps: int = 0,
+                        max_steps: int = 0) -> int:
+    """The fewest equal shares of a group of query heads (a divisor of ``group``) that give a grid of
+    ``programs`` (one per K/V tile) times the shares at least ``per_sm`` programs per SM and, with
+    ``max_steps``, leave no program more than ``max_steps`` query steps (``steps``: one query head's steps
+    in the longest program); the whole group if none does.  The portable dK/dV and the fused Gluon backward
+    both split by it."""
+    for splits in range(1, group + 1):
+        if (group % splits == 0 and programs * splits >= per_sm * sms
+                and (not max_steps or steps * (group // splits) <= max_steps)):
+            return splits
+    return group
+
+
 def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
     """Over how many programs the dK/dV kernel spreads each K/V tile's query heads (a divisor of the group).
 
@@ -241,19 +265,14 @@ def group_splits(q: torch.Tensor, k: torch.Tensor, cfg: TileConfig) -> int:
     ``group_splits`` explicitly); ``CS336_FLASH_GROUP_SPLITS=<n>`` forces n (a divisor of the group).
     """
     group = group_size(q, k)
-    forced = switches.read(GROUP_SPLITS_ENV)
+    forced = forced_group_splits(group)
     if forced:
-        if group % int(forced):
-            raise ValueError(f"{GROUP_SPLITS_ENV} must be a positive divisor of the group size {group}, got {forced!r}")
-        return int(forced)
+        return forced
     if group == 1 or q.device.type != "cuda":
         return 1
     programs = triton.cdiv(k.shape[-2], cfg.block_n) * slices(k)
-    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= 2 * sms:
-            return splits
-    return group
+    return fewest_group_splits(group, programs, sm_count(q.device.index if q.device.index is not None
+                                                         else torch.cuda.current_device()))
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, cfg: TileConfig, wrap: Callable = direct,
