@@ -12,7 +12,8 @@ and the section of docs/flash-attention-experiments.md); `explain` renders a pla
 for the docs.  A Gluon kernel is a candidate only where the device can run it (`Device.gluon`: a compute
 capability 9.x GPU, Triton 3.6, TMA not switched off, 16-bit inputs) and the tensors suit TMA
 (`Problem.tma_layout`); then its option decides: "off" never, "on" wherever the inputs allow (every head
-dim the kernel has), "auto" where a rule of `RULES` matches.  The rules were measured on an H100 and an
+dim the kernel has), "auto" where a rule of `RULES` matches.  Which Gluon forward runs, once one does, is
+the "fwd-ws" rules' choice under every option (the warp-specialized kernel where one matches).  The rules were measured on an H100 and an
 H200 (both 132 SMs): a rule's program minimum is counted in programs per SM, so it scales with the device.
 
 Sizes may be symbolic (`torch.SymInt`: a torch.compile'd call after a shape change, ``dynamic=True``,
@@ -38,9 +39,10 @@ AT_RUN_TIME = "at run time"
 # The Gluon API the Hopper kernels are written against; other Triton releases take the portable kernels.
 GLUON_TRITON_VERSIONS = ("3.6.",)
 # Head dims each Gluon kernel has ("on" takes every one of them).
-KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "dq": (64, 80, 96, 128, 256),
+# "fwd-ws": the forward's warp-specialized kernel (hopper/forward_ws), which its rules take in place of
+# hopper/forward wherever the Gluon forward runs.
+KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "fwd-ws": (64, 80, 96, 128), "dq": (64, 80, 96, 128, 256),
                     "dkdv": (64, 80, 96, 128, 256), "fused": (64, 80, 96, 128)}
-WS_HEAD_DIMS = (64, 128)  # the forward's warp-specialized kernel (hopper/forward_ws) at these head dims
 MAX_SLICES = 65535  # a grid's second dimension: (z, h) slices of one launch
 
 
@@ -274,13 +276,21 @@ class Rule:
 _EXP = "docs/flash-attention-experiments.md"
 # The size rules, by kernel: the first rule that matches takes the kernel (under "auto").
 RULES: tuple[Rule, ...] = (
-    # forward (hopper/forward; hopper/forward_ws at d 64 and 128)
+    # forward (hopper/forward, or hopper/forward_ws where a "fwd-ws" rule matches too)
     Rule("fwd", (80, 96), "sliced products over d skip the padded tile's zero columns: faster at every length "
          "measured", f"H200, 31.3 vs 41.4 us at B 4, H 32, N 512 ({_EXP} §14)", min_k=512, per_sm=1),
     Rule("fwd", (128,), "warp-specialized producer/consumer pipeline: faster from 2048 keys",
          f"H100, 0.164 vs 0.194 ms at B 4, H 16, N 2048 ({_EXP} §14)", min_k=2048, per_sm=1),
     Rule("fwd", (256,), "32-key tiles amortize a program's unoverlapped products only on long rows",
          f"H200, B·H 1: 256 programs at N 32768 won, 128 at N 16384 lost ({_EXP} §14)", min_k=16384, per_sm=1),
+    # which Gluon forward: the warp-specialized one (hopper/forward_ws) ...
+    Rule("fwd-ws", (64, 128), "one program's two warpgroups run in lock step; split, each one's softmax runs "
+         "under the other's products", f"H100, d 128: 0.908 vs 1.154 ms at B 1, H 8, N 16384; d 64 1.311 vs "
+         f"1.541 ({_EXP} §14)"),
+    Rule("fwd-ws", (80, 96), "d 128's warp-specialized tiles, S over d in slices: faster from 2048 keys; at 512 "
+         "the one-program kernel's 64-key tiles win", f"H200, 0.413 vs 0.551 ms at B 1, H 16, N 8192 (d 80); "
+         f"0.044 vs 0.034 ms at B 4, H 32, N 512; not yet measured on an H100 ({_EXP} §18)",
+         min_k=2048, devices=("H200",)),
     # dQ (hopper/dq)
     Rule("dq", (80, 96), "sliced products; slower than the portable kernel past 16384 queries",
          f"H200, N 8192 and 65536 measured ({_EXP} §14)", min_q=512, max_q=16384),
@@ -327,7 +337,7 @@ RULES: tuple[Rule, ...] = (
          f"H200, H 32 / 8, N 4096: 0.80x the two kernels; not yet measured on an H100 ({_EXP} §18)",
          causal=False, min_q=4096, grouped=True, devices=("H200",)),
 )
-KERNELS = ("fwd", "dq", "dkdv", "fused")
+KERNELS = ("fwd", "fwd-ws", "dq", "dkdv", "fused")
 
 
 @dataclass(frozen=True)
@@ -406,7 +416,11 @@ def plan(problem: Problem, device: Device, options: FlashOptions = DEFAULT_OPTIO
                     (("traced", "symbolic sizes: the custom op plans each call on its concrete sizes"),))
     reasons = []
     fwd_on, why = _choose("fwd", options.hopper_fwd, p, device, options)
-    forward = ("hopper-ws" if p.head_dim in WS_HEAD_DIMS else "hopper") if fwd_on else "portable"
+    forward = "portable"
+    if fwd_on:  # which Gluon forward: the "fwd-ws" rules decide, whatever the forward's option
+        ws, ws_why = _choose("fwd-ws", "auto", p, device, options)
+        forward = "hopper-ws" if ws else "hopper"
+        why += f"; {ws_why}" if ws else "; one program (no fwd-ws rule matches)"
     reasons.append(("forward", why))
     fused_mode = "off" if options.hopper_bwd == "off" else options.fused_bwd
     fused, why = _choose("fused", fused_mode, p, device, options)

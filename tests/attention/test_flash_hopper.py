@@ -32,12 +32,14 @@ CUDA = torch.device("cuda")
 
 def test_every_gluon_module_has_the_same_interface_and_the_plan_knows_its_head_dims():
     """Each kernel module of kernels/hopper exposes HEAD_DIMS and launch; the plan, which must not import
-    Triton, keeps its own copy of the head dims (`KERNEL_HEAD_DIMS`, `WS_HEAD_DIMS`): they must agree."""
+    Triton, keeps its own copy of the head dims (`KERNEL_HEAD_DIMS`): they must agree."""
     from cs336_systems.attention import plan as planning
 
-    for module, kernel in ((hopper, "fwd"), (dq_hopper, "dq"), (dkdv_hopper, "dkdv"), (fused_hopper, "fused")):
+    modules = ((hopper, "fwd"), (ws_hopper, "fwd-ws"), (dq_hopper, "dq"), (dkdv_hopper, "dkdv"),
+               (fused_hopper, "fused"))
+    assert {kernel for _, kernel in modules} == set(planning.KERNEL_HEAD_DIMS) == set(planning.KERNELS)
+    for module, kernel in modules:
         assert callable(module.launch) and module.HEAD_DIMS == planning.KERNEL_HEAD_DIMS[kernel], module.__name__
-    assert callable(ws_hopper.launch) and ws_hopper.HEAD_DIMS == planning.WS_HEAD_DIMS
 
 
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
@@ -244,10 +246,11 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         assert (block_m, block_n, stages) == hopper.PADDED_TILES == (64, 64, 3)
         assert 2 * (2 * 128 * (block_m + 2 * stages * block_n) + 1024) <= 228 * 1024, d
     assert hopper.tiles(128) == (128, 128, 3) and hopper.tiles(64) == (128, 128, 3)
-    # the warp-specialized forward (d 64, 128): Q's two 64-row halves and its K/V ring in one program
+    # the warp-specialized forward (d 64-128, 80 / 96 in 128-wide tiles): Q's two 64-row halves and its K/V
+    # ring in one program
     for d in ws_hopper.HEAD_DIMS:
         block_n, stages = ws_hopper.TILES
-        assert 2 * d * (2 * ws_hopper.ROWS + 2 * stages * block_n) <= 227 * 1024, d
+        assert 2 * common.tile_dim(d) * (2 * ws_hopper.ROWS + 2 * stages * block_n) <= 227 * 1024, d
     # its registers: 65536 a program, spread over 12 warps at launch, then rebalanced per warpgroup
     assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
     assert sum(ws_hopper.REGS) + ws_hopper.REGS[0] <= 3 * ws_hopper.MAXNREG
@@ -485,6 +488,45 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
 
 @pytest.mark.gpu
 @ON_HOPPER
+@pytest.mark.parametrize("z, heads, nq, nk, d, is_causal, token_major", [
+    (1, (16, 16), 4096, 4096, 80, True, True),  # long causal rows, the model's token-major views
+    (2, (4, 4), 1000, 1025, 96, False, True),  # ragged ends, Nq != Nk
+    (2, (3, 3), 17, 1, 80, False, False),  # one key: the only tile is also the last
+    (2, (3, 3), 1, 300, 96, True, True),  # one query row: the second warpgroup's rows are all past Nq
+    (1, (8, 2), 2048, 2048, 80, True, True),  # grouped K/V heads
+    (2, (3, 3), 200, 700, 96, True, False),  # causal, Nk > Nq
+])
+def test_gpu_warp_specialized_forward_at_sliced_head_dims_matches_float64(z, heads, nq, nk, d, is_causal,
+                                                                         token_major):
+    """At d 80 / 96 the warp-specialized forward runs in d 128's tiles with S over d in two slices (its
+    128-key tiles differ from the one-program kernel's 64, so the two agree to rounding, not bit for bit):
+    O within 2x naive bf16 attention's error (+ the floor) of float64, L within 1e-4 + the floor, both finite."""
+    from attention_reference import ATOL, reference
+
+    from cs336_systems.attention.naive import naive_attention
+
+    assert d in ws_hopper.HEAD_DIMS and common.d_split(d) == d - 64
+    if token_major:
+        q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
+        k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))
+    else:
+        q = random_qkv((z, heads[0]), nq, nk, d, torch.bfloat16, "cuda", nq)[0]
+        _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+    ws_hopper.launch(q, k, v, o, lse, is_causal)
+    ref_o, ref_lse = reference(q, k, v, is_causal)
+    group = heads[0] // heads[1]
+    naive = naive_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=is_causal)
+    floor = ATOL[torch.bfloat16] * max(1.0, ref_o.abs().max().item())
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    err, bound = (o.double() - ref_o).abs().max().item(), 2 * (naive.double() - ref_o).abs().max().item() + floor
+    assert err <= bound, f"O: max error {err:.3e} > bound {bound:.3e}"
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-4 + ATOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@ON_HOPPER
 @pytest.mark.parametrize("z, heads, nq, nk, d, is_causal", [
     (4, (32, 32), 512, 512, 80, True),  # the 2.7B model's attention
     (2, (3, 3), 1000, 1025, 96, False),
@@ -505,13 +547,15 @@ def test_gpu_sliced_head_dims_agree_bit_for_bit_with_the_whole_tile(monkeypatch,
     for sliced in (common.SLICED_HEAD_DIMS, ()):
         monkeypatch.setattr(common, "SLICED_HEAD_DIMS", sliced)
         o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+        o_ws, lse_ws = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
         hopper.launch(q, k, v, o, lse, is_causal)
+        ws_hopper.launch(q, k, v, o_ws, lse_ws, is_causal)  # the warp-specialized forward slices S the same way
         dq, delta = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         dq_hopper.launch(q, k, v, o, do, lse, delta, dq, is_causal)
         dkdv_hopper.launch(q, k, v, do, lse, delta, dk, dv, is_causal)
-        results.append((o, lse, delta, dq, dk, dv))
-    for name, a, b in zip(("o", "lse", "delta", "dq", "dk", "dv"), *results):
+        results.append((o, lse, o_ws, lse_ws, delta, dq, dk, dv))
+    for name, a, b in zip(("o", "lse", "o_ws", "lse_ws", "delta", "dq", "dk", "dv"), *results):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name
 
@@ -585,7 +629,8 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
     _, replays = _assert_replays_match_the_ordinary_path(q, k, v, True, grad_out, table=table)
     assert replays == 4  # the forward's and the backward's signature, at the second and third call
     names = sorted(launch.compiled.name for plan in table.values() for launch in plan.launches)
-    forward = "flash_fwd_hopper_ws_kernel" if d in ws_hopper.HEAD_DIMS else "flash_fwd_hopper_kernel"
+    # d 80 / 96 take the warp-specialized forward from 2048 keys only (the plan's "fwd-ws" rules)
+    forward = "flash_fwd_hopper_ws_kernel" if d in (64, 128) else "flash_fwd_hopper_kernel"
     assert names == sorted(["flash_dkdv_hopper_kernel", "flash_dq_hopper_kernel", forward])
 
 

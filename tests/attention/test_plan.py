@@ -50,7 +50,10 @@ TABLE = [
     (problem(1, 17, 1024, 80, causal=False), (HOP, FUSED, "-", "-", CUSTOM)),  # 136 units (and fused programs)
     (problem(1, 9, 1024, 80, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 72 units; 72 fused programs: few
     (problem(4, 16, 511, 96), (P, TWO, P, P, TRITON_OP)),
-    (problem(1, 1, 32768, 80), (HOP, FUSED, "-", "-", CUSTOM)),  # 256 fused programs of 128 keys
+    (problem(1, 1, 32768, 80), (WS, FUSED, "-", "-", CUSTOM)),  # 256 fused programs of 128 keys
+    # d 80 / 96: the warp-specialized forward from 2048 keys (H200 rule)
+    (problem(1, 16, 8192, 96), (WS, FUSED, "-", "-", CUSTOM)),
+    (problem(1, 16, 8192, 96, nk=2047), (HOP, FUSED, "-", "-", CUSTOM)),
     # dQ: causal d 64 at 2048-4096 queries with two 64-row programs per SM, d 128 to 8192 with one
     (problem(1, 16, 2048, 64), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 8, 2048, 64), (P, TWO, P, P, TRITON_OP)),  # 256 dQ programs; 256 dK/dV programs
@@ -95,11 +98,13 @@ def test_the_plan_table(p, expected):
 
 
 # Where the H100 differs: the rules measured on the H200 only (the fused pass at d 80 / 96 and for grouped
-# heads) are not its defaults until measured there; it keeps the plan those rows had before them.
+# heads, the warp-specialized forward at d 80 / 96) are not its defaults until measured there; it keeps the plan those rows had before them.
 H100_DIFFERS = {
     problem(4, 32, 512, 80): (HOP, TWO, HOP, HOP, CUSTOM),
     problem(1, 17, 1024, 80, causal=False): (HOP, TWO, HOP, HOP, CUSTOM),
     problem(1, 1, 32768, 80): (HOP, TWO, P, HOP, CUSTOM),  # dQ past 16384 queries: portable
+    problem(1, 16, 8192, 96): (HOP, TWO, HOP, HOP, CUSTOM),
+    problem(1, 16, 8192, 96, nk=2047): (HOP, TWO, HOP, HOP, CUSTOM),
     problem(1, 8, 16384, 128, hkv=1): (WS, TWO, P, P, CUSTOM),  # MQA: 128 fused programs < SMs
     problem(1, 32, 4096, 128, hkv=1): (WS, TWO, HOP, P, CUSTOM),  # dQ counts query heads: 2048 programs
     problem(1, 32, 2048, 64, hkv=8): (P, TWO, HOP, P, CUSTOM),

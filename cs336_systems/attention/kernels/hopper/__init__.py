@@ -9,7 +9,7 @@ grid and launch through ``wrap``: `portable.launch.direct`, inductor's `wrap_tri
   common      TMA descriptors and tile widths, shared-memory rings, wgmma layouts and sliced products, the
               forward's online-softmax pieces
   forward     the forward: two warpgroups, the next tile's scores under the current P V product
-  forward_ws  the warp-specialized forward (a producer warp, two consumer warpgroups) at d 64 and 128
+  forward_ws  the warp-specialized forward (a producer warp, two consumer warpgroups) at d 64-128
   dq          dQ (and delta), one warpgroup per 64 query rows
   dkdv        dK and dV, one warpgroup per 64 keys
   backward    the fused backward at d 64-128: dQ, dK and dV from one pass, dQ by TMA reductions

@@ -31,9 +31,9 @@ L = logsumexp of the scaled scores (natural log, float32) per query row, as the 
 the portable backward consumes this forward's output unchanged.
 
 Written against Triton 3.6's Gluon API (triton.experimental: it changes between releases); where this kernel
-runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  At d 64 and 128 the plan takes the
-warp-specialized form of the same loop instead (hopper.forward_ws: a producer warp and two independent
-consumer warpgroups; same results, faster).
+runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  At d 64 and 128, and at d 80 / 96
+from 2048 keys, the plan takes the warp-specialized form of the same loop instead (hopper.forward_ws: a
+producer warp and two independent consumer warpgroups; faster).
 bfloat16 and float16 only; head dims 64, 80, 96, 128 and 256 (`HEAD_DIMS`; 80 and 96 in 128-wide tiles,
 `tile_dim`).
 """
@@ -211,8 +211,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
             causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d) with
     TMA strides (`plan.tma_layout_ok`), k and v with H_kv heads dividing H.  ``wrap``: `portable.launch.direct`, or a
-    `replay.Recorder` recording the launch.  (At d 64 and 128 the plan takes the warp-specialized
-    form of this kernel instead: hopper.forward_ws, same results bit for bit.)"""
+    `replay.Recorder` recording the launch.  (Where the plan's "fwd-ws" rules match it takes the
+    warp-specialized form of this kernel instead: hopper.forward_ws, bit for bit the same at d 64 and 128.)"""
     n_q, d = q.shape[-2:]
     heads, n_k = q.shape[1], k.shape[-2]
     bm, bn, ring = tiles(d)

@@ -1,5 +1,5 @@
-"""Warp-specialized FlashAttention forward for Hopper (sm_90) in Gluon, at head dims 64 and 128: a TMA producer
-warp and two consumer warpgroups that run independently of each other.
+"""Warp-specialized FlashAttention forward for Hopper (sm_90) in Gluon, at head dims 64, 80, 96 and 128: a TMA
+producer warp and two consumer warpgroups that run independently of each other.
 
     forward(q, k, v, o, lse, causal)   q, o: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse: (Z, H, Nq) float32
 
@@ -18,10 +18,14 @@ Each partition synchronizes only its own warps, so the two consumers drift apart
 overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
 rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
 then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
-NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.
+NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.  d 80 and 96 run
+in d 128's tiles (`common.tile_dim`: TMA zero-fills the columns past d and drops them on the store), with
+S = Q K^T over d in two slices (`common.d_split`: 64 + 16 or 32 columns, wgmma skipping the zeros); P V keeps
+the whole tile (its output columns past d are zeros that are never stored).
 
-The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so O and
-L equal that kernel's bit for bit (GPU test).  That holds because BLOCK_N equals the 128-row block: each
+The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so at d 64
+and 128 O and L equal that kernel's bit for bit (GPU test); at d 80 / 96 that kernel takes 64-key tiles, so the
+two agree to rounding (both checked against float64).  That holds because BLOCK_N equals the 128-row block: each
 consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer would skip
 the mask on a tile that kernel masks, a result as correct but not bit-equal).  Causal programs run longest
 first; both consumers walk the key tiles of the whole 128-row block (the producer loads them once), each
@@ -29,8 +33,8 @@ masking with its own rows, so a consumer may see a tile whose keys are all after
 masked to -1e6 and add zeros.
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels.  Where the Gluon forward runs is decided by
-`cs336_systems.attention.plan` (its table `RULES`), which takes this kernel instead of hopper.forward's at
-the head dims in `HEAD_DIMS` (the plan's `WS_HEAD_DIMS`).
+`cs336_systems.attention.plan` (its table `RULES`), whose "fwd-ws" rules take this kernel instead of
+hopper.forward's (at d 64 and 128 always, at d 80 / 96 from 2048 keys).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels.hopper import common
 from cs336_systems.attention.kernels.portable.launch import direct
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
 ROWS = 64
 # (BLOCK_N keys per tile, ring stages): with two stages the producer waits for both consumers before a tile
@@ -89,7 +93,7 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, 
 @gluon.jit
 def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
               W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
+              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr):
     """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's ring, then O through
     its half of Q's buffer and a TMA store, and L."""
     dtype: gl.constexpr = o_desc.dtype
@@ -111,7 +115,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
 
     mbarrier.wait(ready.index(0), 0)
     k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s_tok = common.dot_nt(q_smem, k0, s_zero, 0)
+    s_tok = common.dot_nt(q_smem, k0, s_zero, D_SPLIT)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
@@ -121,7 +125,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
                                                s_layout)
     for j in range(1, n_tiles):
         kj, v_prev, prev = common.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
-        s_tok = common.dot_nt(q_smem, kj, s_zero, 0)
+        s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
@@ -151,7 +155,8 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
 @gluon.jit
 def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               D_SPLIT: gl.constexpr):
     """Grid (query tiles of 128 rows, Z * H); num_warps 4 (the first consumer), plus a consumer warpgroup and
     the producer warp as workers."""
     dtype: gl.constexpr = q_desc.dtype
@@ -165,9 +170,9 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 0,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
         (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 1,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
         (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group, CAUSAL,
                      BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -188,6 +193,6 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
         common.descriptor(q, ROWS), common.descriptor(k, block_n), common.descriptor(v, block_n),
         common.descriptor(o, ROWS),
         lse, common.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
-        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG,
+        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
+        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d),
     )
