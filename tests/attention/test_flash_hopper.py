@@ -465,14 +465,10 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
     (1, (8, 2), 2048, 2048, 64, True, True),  # grouped K/V heads
     (2, (3, 3), 200, 700, 128, True, False),  # causal, Nk > Nq: rows see keys only up to their own index
 ])
-@pytest.mark.parametrize("pingpong", [True, False])
-def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(monkeypatch, z, heads, nq, nk, d, is_causal,
-                                                                    token_major, pingpong):
-    """flash_fwd_hopper_ws runs flash_fwd_hopper's per-row loop with a producer warp and two consumer
-    warpgroups, taking turns to issue their products (PINGPONG) or not: O and L must equal the one-program
-    kernel's bit for bit, and be finite (and the turns must not hang: one key tile, a row past Nq)."""
+def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq, nk, d, is_causal, token_major):
+    """flash_fwd_hopper_ws runs flash_fwd_hopper's per-row loop with a producer warp and two independent
+    consumer warpgroups: O and L must equal the one-program kernel's bit for bit, and be finite."""
     assert d in ws_hopper.HEAD_DIMS
-    monkeypatch.setattr(ws_hopper, "PINGPONG", pingpong)
     if token_major:
         q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
         k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))

@@ -15,10 +15,7 @@ split with `gl.warp_specialize` into three partitions over one shared-memory pla
                                   S_j under P_{j-1} V_{j-1}, then release tile j - 1's stage
 
 Each partition synchronizes only its own warps, so the two consumers drift apart and one's exponentials
-overlap the other's tensor-core work.  With `PINGPONG` they also take turns issuing their products (two
-mbarriers pass the turn, as FlashAttention-3's warp-scheduler barriers do): consumer 1 issues S_j and
-P_{j-1} V_{j-1} only after consumer 0 has issued its own, and the other way round, so one's products run
-under the other's softmax rather than both softmaxes contending for the exponential unit at once.  Registers are
+overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
 rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
 then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
 NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.  d 80 and 96 run
@@ -70,10 +67,6 @@ TILES = (128, 3)
 # warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
 MAXNREG = 168
 REGS = (240, 24)
-# Ping-pong: the two consumers take turns issuing their tile products (a pair of mbarriers passes the turn),
-# so one's products run under the other's softmax instead of both competing for the tensor cores and then
-# for the exponential unit (FlashAttention-3's warp-scheduler barriers).  Scheduling only: same results.
-PINGPONG = True
 
 
 @gluon.jit
@@ -98,14 +91,11 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, 
 
 
 @gluon.jit
-def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scale, n_q, n_k, heads, group,
+def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
               W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr):
     """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's ring, then O through
-    its half of Q's buffer and a TMA store, and L.  With PINGPONG, issue point t (0: S_0; j: S_j with
-    P_{j-1} V_{j-1}; n_tiles: the last P V) waits for turn[W] (consumer 0 skips t 0) and then passes the turn
-    with turn[1 - W]: both consumers have n_tiles + 1 issue points, and neither can run two turns ahead of
-    the other, so the phase parity (t - 1 + W) & 1 names the turn waited for."""
+    its half of Q's buffer and a TMA store, and L."""
     dtype: gl.constexpr = o_desc.dtype
     bh, z, h, kv_head, start_m = common.query_tile(heads, group, 128, CAUSAL)
     row0 = start_m + W * 64
@@ -125,11 +115,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scal
 
     mbarrier.wait(ready.index(0), 0)
     k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
-    if PINGPONG and W == 1:
-        mbarrier.wait(turn.index(1), 0)
     s_tok = common.dot_nt(q_smem, k0, s_zero, D_SPLIT)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - W), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
@@ -139,17 +125,9 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scal
                                                s_layout)
     for j in range(1, n_tiles):
         kj, v_prev, prev = common.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
-        if PINGPONG:  # P's operand and O's rescale before the turn: the turn covers the two issues only
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = common.rescaled(acc, alpha)
-            mbarrier.wait(turn.index(W), (j - 1 + W) & 1)
-            s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
-            o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - W), count=1)
-        else:
-            s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
+        s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
@@ -163,11 +141,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scal
     last = (n_tiles - 1) % NUM_STAGES
     v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    if PINGPONG:
-        mbarrier.wait(turn.index(W), (n_tiles - 1 + W) & 1)
     o_tok = warpgroup_mma(p_op, v_last, common.rescaled(acc, alpha), is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - W), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
     # this warpgroup's half of Q's buffer stages O for the TMA store (rows past Nq are dropped)
     q_smem.store(common.normalized(acc, l_i).to(dtype))
@@ -182,7 +156,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scal
 def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               D_SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
+                               D_SPLIT: gl.constexpr):
     """Grid (query tiles of 128 rows, Z * H); num_warps 4 (the first consumer), plus a consumer warpgroup and
     the producer warp as workers."""
     dtype: gl.constexpr = q_desc.dtype
@@ -193,15 +167,12 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's turns
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scale, n_q, n_k, heads, group,
-                     0, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT, PINGPONG)),
-        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, turn, L, qk_scale, n_q, n_k, heads, group,
-                     1, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT, PINGPONG)),
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 0,
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 1,
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
         (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group, CAUSAL,
                      BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -223,5 +194,5 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
         common.descriptor(o, ROWS),
         lse, common.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
-        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d), PINGPONG=PINGPONG,
+        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d),
     )
