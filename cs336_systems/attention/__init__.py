@@ -201,12 +201,16 @@ def _flash_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     # Imported on first use: importing Triton is slow, and TRITON_INTERPRET must be set before the
     # @triton.jit decorators run for the CPU interpreter to take effect.  Kept after that: at the models'
     # short sequences every microsecond of an eager call's host time shows.
+    # Only an eager call keeps it: torch.compile guards on this global, so a traced call that set it would
+    # fail its own guard at the next call and compile the caller's frame a second time.
     global _flash_triton_fn
-    if _flash_triton_fn is None:
-        from cs336_systems.attention.flash_triton import flash_attention
+    fn = _flash_triton_fn
+    if fn is None:
+        from cs336_systems.attention.flash_triton import flash_attention as fn
 
-        _flash_triton_fn = flash_attention
-    return _flash_triton_fn(q, k, v, is_causal)
+        if not torch.compiler.is_compiling():
+            _flash_triton_fn = fn
+    return fn(q, k, v, is_causal)
 
 
 def _pinned_unsupported(name: str):

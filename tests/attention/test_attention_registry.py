@@ -190,3 +190,22 @@ def test_an_implementation_without_grouped_query_attention_refuses_it():
                                          r"2 K/V heads\); implementations that do on device cpu: naive, naive-compiled, "
                                          r"sdpa"):
         attention.attention(q, kv, kv, impl="flash-pytorch")
+
+
+def test_a_compiled_first_call_of_flash_triton_does_not_recompile_its_caller(monkeypatch):
+    """The registry's flash-triton entry imports its implementation on first use.  When that first use is
+    traced, it must not leave the module global set behind: torch.compile guards on it, so the next call
+    would fail the guard and compile the caller's frame again (every block of a compiled model, once)."""
+    monkeypatch.setattr(attention, "_flash_triton_fn", None)
+    torch._dynamo.reset()
+    entry = attention.get("flash-triton").fn
+    compiled = torch.compile(lambda q, k, v: entry(q, k, v, is_causal=True), backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
+    first = compiled(q, k, v)
+    assert attention._flash_triton_fn is None  # the traced call kept nothing
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(q, k, v), first)
+    entry(q, k, v, is_causal=True)  # an eager call keeps the function for its successors
+    assert attention._flash_triton_fn is not None
+    torch._dynamo.reset()
