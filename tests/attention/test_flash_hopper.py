@@ -455,6 +455,18 @@ def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
     assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
 
 
+def _forward_inputs(z, heads, nq, nk, d, token_major, device="cuda"):
+    """Detached bfloat16 q (z, Hq, nq, d) and k, v (z, Hkv, nk, d), seeded by the lengths: head-major, or
+    head-major views of token-major memory."""
+    if token_major:
+        q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq, device)
+        k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i, device) for i in (1, 2))
+    else:
+        q = random_qkv((z, heads[0]), nq, nk, d, torch.bfloat16, device, nq)[0]
+        _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, device, nk)
+    return tuple(t.detach() for t in (q, k, v))
+
+
 @pytest.mark.gpu
 @ON_HOPPER
 @pytest.mark.parametrize("z, heads, nq, nk, d, is_causal, token_major", [
@@ -469,13 +481,7 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
     """flash_fwd_hopper_ws runs flash_fwd_hopper's per-row loop with a producer warp and two independent
     consumer warpgroups: O and L must equal the one-program kernel's bit for bit, and be finite."""
     assert d in ws_hopper.HEAD_DIMS
-    if token_major:
-        q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
-        k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))
-    else:
-        q = random_qkv((z, heads[0]), nq, nk, d, torch.bfloat16, "cuda", nq)[0]
-        _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
-    q, k, v = (t.detach() for t in (q, k, v))
+    q, k, v = _forward_inputs(z, heads, nq, nk, d, token_major)
     results = []
     for run in (ws_hopper.launch, hopper.launch):
         o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
@@ -506,13 +512,7 @@ def test_gpu_warp_specialized_forward_at_sliced_head_dims_matches_float64(z, hea
     from cs336_systems.attention.naive import naive_attention
 
     assert d in ws_hopper.HEAD_DIMS and common.d_split(d) == d - 64
-    if token_major:
-        q = token_major_view(z, heads[0], nq, d, torch.bfloat16, nq)
-        k, v = (token_major_view(z, heads[1], nk, d, torch.bfloat16, nk + i) for i in (1, 2))
-    else:
-        q = random_qkv((z, heads[0]), nq, nk, d, torch.bfloat16, "cuda", nq)[0]
-        _, k, v = random_qkv((z, heads[1]), nq, nk, d, torch.bfloat16, "cuda", nk)
-    q, k, v = (t.detach() for t in (q, k, v))
+    q, k, v = _forward_inputs(z, heads, nq, nk, d, token_major)
     o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
     ws_hopper.launch(q, k, v, o, lse, is_causal)
     ref_o, ref_lse = reference(q, k, v, is_causal)
