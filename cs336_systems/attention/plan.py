@@ -13,8 +13,9 @@ for the docs.  A Gluon kernel is a candidate only where the device can run it (`
 capability 9.x GPU, Triton 3.6, TMA not switched off, 16-bit inputs) and the tensors suit TMA
 (`Problem.tma_layout`); then its option decides: "off" never, "on" wherever the inputs allow (every head
 dim the kernel has), "auto" where a rule of `RULES` matches.  Which Gluon forward runs, once one does, is
-the "fwd-ws" rules' choice under every option (the warp-specialized kernel where one matches).  The rules were measured on an H100 and an
-H200 (both 132 SMs): a rule's program minimum is counted in programs per SM, so it scales with the device.
+the "fwd-ws" rules' choice under every option (the warp-specialized kernel where one matches).  The rules
+were measured on an H100 and an H200 (both 132 SMs): a rule's program minimum is counted in programs per
+SM, so it scales with the device.
 
 Sizes may be symbolic (`torch.SymInt`: a torch.compile'd call after a shape change, ``dynamic=True``,
 ``mark_dynamic``).  The plan then defers every kernel choice to run time ("at run time") and the traced
@@ -283,13 +284,13 @@ RULES: tuple[Rule, ...] = (
          f"H100, 0.164 vs 0.194 ms at B 4, H 16, N 2048 ({_EXP} §14)", min_k=2048, per_sm=1),
     Rule("fwd", (256,), "32-key tiles amortize a program's unoverlapped products only on long rows",
          f"H200, B·H 1: 256 programs at N 32768 won, 128 at N 16384 lost ({_EXP} §14)", min_k=16384, per_sm=1),
-    # which Gluon forward: the warp-specialized one (hopper/forward_ws) ...
+    # which Gluon forward: the warp-specialized one (hopper/forward_ws) where one of these matches, else hopper/forward
     Rule("fwd-ws", (64, 128), "one program's two warpgroups run in lock step; split, each one's softmax runs "
          "under the other's products", f"H100, d 128: 0.908 vs 1.154 ms at B 1, H 8, N 16384; d 64 1.311 vs "
          f"1.541 ({_EXP} §14)"),
     Rule("fwd-ws", (80, 96), "d 128's warp-specialized tiles, S over d in slices: faster from 2048 keys; at 512 "
          "the one-program kernel's 64-key tiles win", f"H200, 0.413 vs 0.551 ms at B 1, H 16, N 8192 (d 80); "
-         f"0.044 vs 0.034 ms at B 4, H 32, N 512; not yet measured on an H100 ({_EXP} §18)",
+         f"0.044 vs 0.034 ms at B 4, H 32, N 512; not yet measured on an H100 ({_EXP} §18, §19)",
          min_k=2048, devices=("H200",)),
     # dQ (hopper/dq)
     Rule("dq", (80, 96), "sliced products; slower than the portable kernel past 16384 queries",

@@ -24,13 +24,13 @@ S = Q K^T over d in two slices (`common.d_split`: 64 + 16 or 32 columns, wgmma s
 the whole tile (its output columns past d are zeros that are never stored).
 
 The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so at d 64
-and 128 O and L equal that kernel's bit for bit (GPU test); at d 80 / 96 that kernel takes 64-key tiles, so the
-two agree to rounding (both checked against float64).  That holds because BLOCK_N equals the 128-row block: each
-consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer would skip
-the mask on a tile that kernel masks, a result as correct but not bit-equal).  Causal programs run longest
-first; both consumers walk the key tiles of the whole 128-row block (the producer loads them once), each
-masking with its own rows, so a consumer may see a tile whose keys are all after its rows: its scores are
-masked to -1e6 and add zeros.
+and 128 O and L equal that kernel's bit for bit (GPU test).  That holds because BLOCK_N equals the 128-row
+block: each consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer
+would skip the mask on a tile that kernel masks, a result as correct but not bit-equal).  At d 80 / 96
+hopper.forward takes 64-key tiles, so there the two agree to rounding (both checked against float64).
+Causal programs run longest first; both consumers walk the key tiles of the whole 128-row block (the producer
+loads them once), each masking with its own rows, so a consumer may see a tile whose keys are all after its
+rows: its scores are masked to -1e6 and add zeros.
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels.  Where the Gluon forward runs is decided by
 `cs336_systems.attention.plan` (its table `RULES`), whose "fwd-ws" rules take this kernel instead of
