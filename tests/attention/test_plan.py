@@ -98,7 +98,8 @@ def test_the_plan_table(p, expected):
 
 
 # Where the H100 differs: the rules measured on the H200 only (the fused pass at d 80 / 96 and for grouped
-# heads, the warp-specialized forward at d 80 / 96) are not its defaults until measured there; it keeps the plan those rows had before them.
+# heads, the warp-specialized forward at d 80 / 96) are not its defaults until measured there; it keeps the
+# plan those rows had before them.
 H100_DIFFERS = {
     problem(4, 32, 512, 80): (HOP, TWO, HOP, HOP, CUSTOM),
     problem(1, 17, 1024, 80, causal=False): (HOP, TWO, HOP, HOP, CUSTOM),
