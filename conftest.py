@@ -12,6 +12,8 @@ Options
   --perf-profile=cpu|gpu|full   which benchmarks.json profile perf/ runs (default: gpu if CUDA is
                                 present, else cpu)
   --perf-group=NAME[,NAME...]   only the perf cases of these groups (see benchmarks.json)
+  --perf-only=NODE_ID           only the collected item with this node id, a usage error if none has it
+                                (`cs336_systems.reporting.isolated` runs one case a process with it)
   --peak-tflops=X               peak used for MFU instead of the per-GPU datasheet lookup
   --compare-any-machine         allow --benchmark-compare across GPUs / versions / switches (warning only)
   --perf-gate[=strict]          with --benchmark-compare: decide each compared case from its per-round samples
@@ -86,6 +88,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="benchmarks.json profile for perf/ (default: gpu when CUDA is available, else cpu)",
     )
     group.addoption("--perf-group", default=None, help="run only perf cases of these groups (comma-separated)")
+    group.addoption("--perf-only", default=None, metavar="NODE_ID",
+                    help="keep only the collected item with this node id (one case a process: cs336-perf-isolated)")
     group.addoption("--peak-tflops", type=positive_float, default=None, help="peak TFLOP/s for MFU")
     group.addoption(
         "--cool-down-s", type=non_negative_float, default=10.0,
@@ -208,7 +212,18 @@ def perf_profile(config: pytest.Config) -> str:
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m: the count of slow tests left out is of those they kept
+def _keep_only(config: pytest.Config, items: list[pytest.Item], node_id: str) -> None:
+    kept = [item for item in items if item.nodeid == node_id]
+    if not kept:
+        raise pytest.UsageError(f"--perf-only {node_id!r}: no collected item has this node id (of {len(items)} "
+                                "collected; `pytest --collect-only -q` with the same arguments lists them)")
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid != node_id])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--perf-only"):
+        _keep_only(config, items, config.getoption("--perf-only"))
     if SLOW_LEFT_OUT in config.stash:
         _deselect_slow(config, items)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -25,7 +25,7 @@ import cs336_systems
 PACKAGE = Path(cs336_systems.__file__).resolve().parent
 ROOT = PACKAGE.parent
 LAYERS = ("library", "bench", "tools", "reporting", "entry")
-ENTRY_POINTS = ("report", "gates", "baseline", "profile", "memory", "accounting", "flash_autotune")
+ENTRY_POINTS = ("report", "gates", "baseline", "profile", "memory", "accounting", "flash_autotune", "perf_isolated")
 
 
 def module_name(path: Path) -> str:
