@@ -211,7 +211,6 @@ def perf_profile(config: pytest.Config) -> str:
     return config.getoption("--perf-profile") or machine.default_profile()
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m: the count of slow tests left out is of those they kept
 def _keep_only(config: pytest.Config, items: list[pytest.Item], node_id: str) -> None:
     kept = [item for item in items if item.nodeid == node_id]
     if not kept:
@@ -221,6 +220,7 @@ def _keep_only(config: pytest.Config, items: list[pytest.Item], node_id: str) ->
     items[:] = kept
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m: the count of slow tests left out is of those they kept
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--perf-only"):
         _keep_only(config, items, config.getoption("--perf-only"))
