@@ -1,6 +1,6 @@
 """Each selected perf case in a fresh process, the processes' runs merged into one saved run.
 
-    cs336-perf-isolated OUT.json [--order collected|reversed] [--timeout-s S] -- PYTEST_ARGS
+    cs336-perf-isolated OUT.json [--order collected|reversed] [--timeout-s S] [--pytest-command CMD] -- PYTEST_ARGS
     (or python -m cs336_systems.perf_isolated)
 
 A case's time can depend on what ran before it in the same process: the allocator's cached blocks, the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -78,13 +79,15 @@ def ordered(ids: list[str], order: str) -> list[str]:
     return list(ids) if order == "collected" else list(reversed(ids))
 
 
-def run_each(ids: list[str], args: list[str], folder: Path, timeout_s: float, python: str = sys.executable,
+def run_each(ids: list[str], args: list[str], folder: Path, timeout_s: float,
+             pytest_command: tuple[str, ...] = (sys.executable, "-m", "pytest"),
              log=print) -> tuple[list[Path], list[str]]:
-    """Run each node id in its own pytest process; returns (the run files written, the failures as lines)."""
+    """Run each node id in its own process of ``pytest_command`` (as `baseline --refresh` and the calibration
+    take it: torchrun for the multi-GPU groups); returns (the run files written, the failures as lines)."""
     runs, failures = [], []
     for i, node in enumerate(ids):
         out, transcript = folder / f"case-{i:04d}.json", folder / f"case-{i:04d}.log"
-        command = [python, "-m", "pytest", *args, f"--perf-only={node}", f"--benchmark-json={out}", "-q",
+        command = [*pytest_command, *args, f"--perf-only={node}", f"--benchmark-json={out}", "-q",
                    "-p", "no:cacheprovider"]
         start = time.perf_counter()
         with transcript.open("w") as sink:
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=ORDERS, default="collected",
                         help="the processes' order: as collected (default) or reversed")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="the bound on each case's process")
+    parser.add_argument("--pytest-command", default=f"{sys.executable} -m pytest",
+                        help="how to start each case's pytest (e.g. 'torchrun --standalone --nproc-per-node=2 -m "
+                             "pytest' for the multi-GPU groups); collection runs plain pytest; default %(default)s")
     parser.epilog = "After --: the pytest arguments that select the cases (paths, -k, --perf-group, ...)."
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cs336-perf-isolated: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="cs336-isolated-") as tmp:
-        runs, failures = run_each(ids, args, Path(tmp), ns.timeout_s)
+        runs, failures = run_each(ids, args, Path(tmp), ns.timeout_s, tuple(shlex.split(ns.pytest_command)))
         if not runs:
             print("cs336-perf-isolated: no process wrote a run:\n" + "\n".join(failures), file=sys.stderr)
             return 2

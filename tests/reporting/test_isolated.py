@@ -45,8 +45,8 @@ def test_perf_only_keeps_one_item_and_refuses_an_unknown_id():
     assert bad.returncode == pytest.ExitCode.USAGE_ERROR and "no collected item has this node id" in bad.stderr
 
 
-@pytest.mark.parametrize("arg", ["--benchmark-json=x.json", "--perf-only=a::b", "-n", "-n4", "-nauto", "--numprocesses=2",
-                                 "--collect-only"])
+@pytest.mark.parametrize("arg", ["--benchmark-json=x.json", "--perf-only=a::b", "-n", "-n4", "-nauto",
+                                 "--numprocesses=2", "--collect-only"])
 def test_arguments_the_tool_sets_itself_are_refused(arg, tmp_path, capsys):
     assert isolated.main([str(tmp_path / "o.json"), "--", "perf/", arg]) == 2
     assert repr(arg) in capsys.readouterr().err and not (tmp_path / "o.json").exists()
@@ -74,13 +74,15 @@ def test_a_failing_case_is_reported_and_the_others_are_kept(tmp_path, monkeypatc
         assert not any(name.startswith("PYTEST_XDIST_") for name in env)
         node = next(a for a in command if a.startswith("--perf-only=")).split("=", 1)[1]
         calls.append(node)
+        assert command[:4] == ["torchrun", "-m", "pytest", "perf/"]  # --pytest-command starts each process
         if node == "b":
             raise subprocess.TimeoutExpired(command, timeout)
         stdout.write("the case's output\n")
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(isolated.subprocess, "run", fake_run)
-    runs, failures = isolated.run_each(["a", "b"], ["perf/"], tmp_path, 5.0, log=lambda *_: None)
+    runs, failures = isolated.run_each(["a", "b"], ["perf/"], tmp_path, 5.0, ("torchrun", "-m", "pytest"),
+                                       log=lambda *_: None)
     assert calls == ["a", "b"] and runs == []  # the fake wrote no run files: "a" passed but saved nothing
     assert [f.split("\n")[0] for f in failures] == ["a: exit status 0 but no run written (pytest-benchmark off?)",
                                                     "b: timed out"]
