@@ -653,10 +653,16 @@ def test_gpu_gluon_launches_are_recorded_and_replayed(monkeypatch, z, heads, n, 
 @example(heads=(3, 3), nq=255, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=5)
 @example(heads=(4, 1), nq=1000, nk=257, d=80, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=6)
 @example(heads=(8, 2), nq=128, nk=1025, d=96, is_causal=False, dtype=torch.float16, token_major=False, seed=7)
+@example(heads=(3, 3), nq=255, nk=1025, d=256, is_causal=True, dtype=torch.bfloat16, token_major=False, seed=8)
+@example(heads=(8, 2), nq=1000, nk=63, d=256, is_causal=False, dtype=torch.float16, token_major=True, seed=9)
+@example(heads=(4, 1), nq=2048, nk=2048, d=256, is_causal=True, dtype=torch.bfloat16, token_major=True, seed=10)
+@example(heads=(3, 3), nq=17, nk=128, d=256, is_causal=False, dtype=torch.bfloat16, token_major=False, seed=11)
 def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, seed):
     """dQ, dK, dV of the fused backward (flash_bwd_hopper, forced on) against float64: ragged ends, Nq != Nk,
     one query or one key, key blocks that see no query, grouped K/V heads (on these small grids each group
-    split among programs, with partial dK and dV summed after), token-major views, every head dim it has."""
+    split among programs, with partial dK and dV summed after; at d 256 the group's heads in turn), token-major
+    views, every head dim it has (256: hopper/backward_wide's kernel, an Nq not a multiple of 4 with an
+    accumulator padded per call)."""
     q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
     real = fused_hopper.launch
@@ -672,7 +678,8 @@ def test_gpu_fused_backward_matches_float64_reference(heads, nq, nk, d, is_causa
 @ON_HOPPER
 @pytest.mark.parametrize("z, heads, n, d, is_causal, split", [(2, (4, 4), 1000, 64, True, False),
                                                               (1, (8, 2), 700, 128, False, False),
-                                                              (1, (8, 2), 700, 80, True, True)])
+                                                              (1, (8, 2), 700, 80, True, True),
+                                                              (1, (4, 2), 700, 256, True, False)])
 def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d, is_causal, split):
     """The fused backward's three launches are recorded like the others, its float32 dQ accumulator taken as
     an extra slot: the next calls of the signature replay them.  dK and dV equal the ordinary call's bit for
@@ -704,7 +711,7 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
         assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
         torch.testing.assert_close(dq, expected[0], rtol=2 ** -7, atol=1e-3)
     plans = [plan for plan in table.values() if plan is not None and any(
-        launch.compiled.name == "flash_bwd_hopper_kernel" for launch in plan.launches)]
+        launch.compiled.name in ("flash_bwd_hopper_kernel", "flash_bwd_wide_kernel") for launch in plan.launches)]
     if split:
         assert not plans and len(ran) == 3
         return
@@ -714,7 +721,7 @@ def test_gpu_fused_backward_is_recorded_and_replayed(monkeypatch, z, heads, n, d
 
 @pytest.mark.gpu
 @ON_HOPPER
-@pytest.mark.parametrize("d, is_causal", [(64, False), (128, False), (64, True)])
+@pytest.mark.parametrize("d, is_causal", [(64, False), (128, False), (64, True), (256, False), (256, True)])
 def test_gpu_fused_backward_masks_the_keys_past_nk(d, is_causal):
     """Keys past Nk are zero-filled by TMA, so their scores are 0: with every real score far below 0 (L about
     -20), exp(-L) overflows float16, and unmasked they would put inf x 0 into dQ.  Nk ragged (1000), Nq >

@@ -147,9 +147,10 @@ def test_options_switch_each_kernel_on_or_off():
     assert kernels(big, options=FlashOptions(fused_bwd="off"))[1:4] == (TWO, P, HOP)  # causal dQ: to 8192
     assert kernels(big, options=FlashOptions(hopper_bwd="off"))[1:4] == (TWO, P, P)  # the fused pass too
     assert kernels(big, options=FlashOptions(tma=False)) == (P, TWO, P, P, TRITON_OP)
-    # "on" is bounded by what the kernels have: no fused pass at d 256, no Gluon kernel in float32
+    # "on" is bounded by what the kernels have: no Gluon kernel in float32 (the fused pass takes every head dim,
+    # 256 in hopper/backward_wide)
     assert kernels(problem(1, 8, 4096, 96), options=FlashOptions(fused_bwd="on"))[1] == FUSED
-    assert kernels(problem(1, 8, 4096, 256), options=FlashOptions(fused_bwd="on"))[1] == TWO
+    assert kernels(problem(1, 8, 4096, 256), options=FlashOptions(fused_bwd="on"))[1] == FUSED
     assert kernels(problem(1, 8, 64, 64, dtype=FP32), options=FlashOptions(hopper_fwd="on"))[0] == P
     assert kernels(problem(1, 2, 64, 64, causal=False, hkv=1), options=FlashOptions(fused_bwd="on"))[1] == FUSED
 

@@ -1,5 +1,6 @@
 """Fused FlashAttention backward for Hopper (sm_90) in Gluon at head dims 64, 80, 96 and 128: dQ, dK and dV from
 one pass over the attention matrix (five tile products per tile instead of the two-kernel backward's seven).
+`launch` hands head dim 256 to hopper/backward_wide, whose two consumers split the head dim instead of the keys.
 
     backward(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal)
     q, o, do, dq: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32, d 64-128
@@ -82,7 +83,7 @@ from cs336_systems.attention.kernels.portable.launch import (
     sm_count,
 )
 
-HEAD_DIMS = (64, 80, 96, 128)
+HEAD_DIMS = (64, 80, 96, 128, 256)  # 256: hopper/backward_wide's kernel (`launch` hands it over)
 BLOCK_N = 128  # keys per program: two consumers of 64
 # query rows per step: 128 at d 64 (consumer w computes dQ rows 64 w .. + 64), 64 at d 128, where a
 # consumer's dK and dV take 128 registers (consumer w computes dQ columns 64 w .. + 64 of the step's rows).
@@ -482,6 +483,11 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     z, heads, n_q, d = q.shape
     if d not in HEAD_DIMS:
         raise ValueError(f"the fused Hopper backward takes head dims {HEAD_DIMS}; got d={d}")
+    if d == 256:  # two consumers splitting the head dim of a 64-key block (its module docstring)
+        from cs336_systems.attention.kernels.hopper import backward_wide
+
+        backward_wide.launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal, wrap)
+        return
     width = common.tile_dim(d)  # the kernel's tile: 128 at d 80 and 96
     block_m = BLOCK_M[width]
     kv_heads = k.shape[1]
