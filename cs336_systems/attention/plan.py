@@ -312,8 +312,10 @@ RULES: tuple[Rule, ...] = (
     Rule("dkdv", (64, 128), "enough 64-key programs to balance a causal grid (two per SM)",
          f"H100/H200, B 4, H 16, N 2048 the shortest measured; B·H 1, N 16384 lost ({_EXP} §14)",
          min_q=2048, same_heads=True, per_sm=2, axis="k", unit=64, heads="kv"),
-    Rule("dkdv", (256,), "one program per SM either way: faster at every size from 2048 queries",
-         f"H200, down to 128 programs at B·H 1, N 4096 ({_EXP} §14)", min_q=2048, same_heads=True),
+    Rule("dkdv", (256,), "two warpgroups split the head dim of a 64-key block (hopper/backward_wide): dK and dV "
+         "in one pass, four tile products instead of the one-accumulator parts' five",
+         f"H200, backward 0.72-0.79x the parts' at B·H 4-64, N 2048-16384 ({_EXP} §20)", min_q=2048,
+         same_heads=True),
     # the fused backward (hopper/backward): replaces both dQ and dK/dV
     Rule("fused", (64,), "five tile products instead of seven once a 128-key program per SM walks long rows",
          f"H100, 0.75-0.91x the two kernels; H200 (both consumers at 240 registers), 0.94x at the leaderboard "

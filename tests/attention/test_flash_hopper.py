@@ -66,6 +66,28 @@ def test_fused_backward_prep_and_post_kernels_match_torch(d):
 
 
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
+@pytest.mark.parametrize("n", [70, 64])
+def test_wide_backward_prep_and_post_kernels_use_the_transposed_accumulator(n):
+    """d 256's fused pass (hopper/backward_wide) keeps dQ transposed, (Z * H, 256, row) float32 with row the
+    16-byte-aligned Nq (70 -> 72, a padded accumulator; 64 unpadded): delta = rowsum(O * dO) and the accumulator
+    zeroed (its padding left alone), then dQ = accumulator^T · scale in dQ's dtype and strides (token-major)."""
+    wide = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
+    z, h, d = 2, 3, 256
+    row = -(-n // 4) * 4
+    assert wide.accumulator_ok(n) == (row == n)
+    o = torch.randn(z, n, h, d, dtype=torch.float16).transpose(1, 2)
+    do = torch.randn(z, h, n, d, dtype=torch.float16)
+    delta, dqa = torch.empty(z, h, n), torch.full((z * h, d, row), 7.0)
+    wide._prep_kernel[(2, z * h)](o, do, delta, dqa, n, row, h, *o.stride()[:3], *do.stride()[:3], D=d, BLOCK=64)
+    torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert not dqa[..., :n].any() and (dqa[..., n:] == 7.0).all()
+    dqa = torch.randn(z * h, d, row)
+    dq = torch.empty(z, n, h, d, dtype=torch.float16).transpose(1, 2)
+    wide._post_kernel[(2, z * h)](dqa, dq, n, row, h, *dq.stride()[:3], 0.125, D=d, BLOCK=64)
+    assert torch.equal(dq, (dqa[..., :n].transpose(1, 2).reshape(z, h, n, d) * 0.125).half())
+
+
+@pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
 @pytest.mark.parametrize("d, splits", [(64, 2), (80, 3)])
 def test_fused_backward_sums_the_partials_of_a_split_group(d, splits):
     """Grouped heads split among programs: dK and dV are the sums of the float32 partials over the splits,
@@ -168,30 +190,27 @@ def test_backward_launches_the_kernels_the_plan_chose(monkeypatch):
     assert accumulators[0].dtype == torch.float32 and accumulators[0].shape == q.shape
 
 
-def test_dkdv_launch_plan_by_head_dim_and_grid_size(monkeypatch):
-    """d <= 128 (80 and 96 in 128-wide tiles): one launch, both outputs per program.  d 256: the dV and dK
-    parts in two launches at long rows when each fills the GPU (a key block per SM), the dV part with its own
-    taller steps; otherwise both parts in one launch (program_id(2) picks)."""
-    calls = []
-    monkeypatch.setattr(dkdv_hopper, "_launch_part", lambda *args: calls.append(args[-3:-1]))
-    monkeypatch.setattr(common, "sm_count", lambda index: 132)
-    monkeypatch.setattr(hopper.torch.cuda, "current_device", lambda: 0)
+def test_dkdv_launch_by_head_dim(monkeypatch):
+    """d <= 128 (80 and 96 in 128-wide tiles): one launch of the one-warpgroup kernel in its width's tiles, a
+    program per 64 keys of each (z, h_kv).  d 256: hopper/backward_wide's dK/dV pass instead."""
+    launches, wide = [], []
 
-    def plan(bh, n, d):
-        calls.clear()
-        q = torch.empty(1, bh, n, d, dtype=torch.bfloat16)
-        dkdv_hopper.launch(q, q, q, q, None, None, q, q, True)
-        return list(calls)
+    class Grid:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, meta["BLOCK_N"], meta["BLOCK_M"], meta["NUM_STAGES"]))
 
-    assert plan(8, 8192, 64) == [(dkdv_hopper.tiles(64), 0)]
-    assert plan(8, 8192, 96) == [(dkdv_hopper.tiles(128), 0)]
-    assert plan(8, 8192, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]  # 1024 key blocks
-    long = [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.DK_TILES_LONG_256, 2)]
-    assert plan(1, dkdv_hopper.LONG_QUERIES, 256) == long  # the dK part's 16-row steps
-    assert plan(1, dkdv_hopper.LONG_QUERIES - 64, 256) == [(dkdv_hopper.DV_TILES_256, 1), (dkdv_hopper.tiles(256), 2)]
-    assert plan(1, 4096, 256) == [(dkdv_hopper.tiles(256), 3)]  # 64 key blocks: one launch of 128 programs
-    assert plan(8, 2048, 256) == [(dkdv_hopper.tiles(256), 3)]  # 256 key blocks, but short rows
-    assert plan(1, 8192, 256) == [(dkdv_hopper.tiles(256), 3)]  # long rows, but 128 key blocks: fewer than SMs
+    wide_module = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
+    monkeypatch.setattr(wide_module, "launch_dkdv", lambda *args: wide.append(args[0].shape))
+
+    def run(d, n=1000):
+        launches.clear()
+        q = torch.empty(2, 3, n, d, dtype=torch.bfloat16)
+        dkdv_hopper.launch(q, q, q, q, None, None, q, q, True, wrap=lambda kernel: Grid())
+        return list(launches)
+
+    assert run(64) == [((16, 6), *dkdv_hopper.tiles(64))]
+    assert run(96) == run(128) == [((16, 6), *dkdv_hopper.tiles(128))]
+    assert run(256) == [] and wide == [(2, 3, 1000, 256)]
 
 
 def test_dq_tiles_by_head_dim_length_and_grid(monkeypatch):
@@ -254,10 +273,17 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
     # its registers: 65536 a program, spread over 12 warps at launch, then rebalanced per warpgroup
     assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
     assert sum(ws_hopper.REGS) + ws_hopper.REGS[0] <= 3 * ws_hopper.MAXNREG
-    for d in dkdv_hopper.HEAD_DIMS:
+    for d in (64, 80, 96, 128):
         w = common.tile_dim(d)
-        for block_n, block_m, stages in {dkdv_hopper.tiles(w), dkdv_hopper.DV_TILES_256, dkdv_hopper.DK_TILES_LONG_256}:
-            assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
+        block_n, block_m, stages = dkdv_hopper.tiles(w)
+        assert 2 * w * (2 * block_n + 2 * stages * block_m) <= 227 * 1024, d
+    # d 256's wide backward: K, V, the Q / dO ring, the P^T / dS^T tiles, (fused) dQ's two float32 staging tiles
+    wide = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
+    for fused in (True, False):
+        tiles = 2 * 256 * 2 * (wide.BLOCK_N + wide.NUM_STAGES * wide.BLOCK_M)
+        tiles += wide.PDS_STAGES[fused] * 2 * 2 * wide.BLOCK_N * wide.BLOCK_M + fused * 2 * 4 * 64 * 32
+        assert tiles + 2 * wide.NUM_STAGES * wide.BLOCK_M * 4 <= 227 * 1024, fused
+    assert 12 * 32 * wide.MAXNREG <= 65536 and 2 * wide.REGS[0] + wide.REGS[1] <= 3 * wide.MAXNREG
     for d in dq_hopper.HEAD_DIMS:
         w = common.tile_dim(d)
         for block_m, block_n, stages in {dq_hopper.tiles(w), dq_hopper.tiles(w, long_rows=True),
@@ -333,28 +359,27 @@ def _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed):
     is_causal=st.booleans(),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     token_major=st.booleans(),
-    split_dv=st.booleans(),
+    long_dq=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 # Fixed edge cases: causal key blocks that see no query (dK, dV must be zeros), one key, grouped heads at
 # ragged lengths.
 @example(heads=(3, 3), nq=17, nk=2048, d=128, is_causal=True, dtype=torch.bfloat16, token_major=False,
-         split_dv=False, seed=1)
-@example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, split_dv=False,
+         long_dq=False, seed=1)
+@example(heads=(3, 3), nq=2048, nk=1, d=64, is_causal=True, dtype=torch.float16, token_major=True, long_dq=False,
          seed=2)
 @example(heads=(8, 2), nq=1000, nk=1025, d=128, is_causal=False, dtype=torch.bfloat16, token_major=True,
-         split_dv=False, seed=3)
+         long_dq=False, seed=3)
 @example(heads=(4, 1), nq=255, nk=1025, d=256, is_causal=True, dtype=torch.bfloat16, token_major=True,
-         split_dv=False, seed=4)
+         long_dq=False, seed=4)
 @example(heads=(8, 2), nq=1000, nk=257, d=256, is_causal=False, dtype=torch.float16, token_major=True,
-         split_dv=True, seed=5)
-def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, split_dv,
+         long_dq=True, seed=5)
+def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal, dtype, token_major, long_dq,
                                                     seed):
     """O, the saved L, dQ, dK, dV against float64 with the Gluon forward, dQ and dK/dV in the path (the dQ
     kernel reads the forward's L, the dK/dV kernel the dQ kernel's delta): ragged ends, Nq != Nk, one query or
-    one key, grouped K/V heads, token-major views; all three Gluon kernels must have run.  split_dv: d 256's
-    dK/dV as two launches (the dV part with its own tiles, the dK part with its long-row tiles) whatever
-    the size, as from 8192 and 32768 queries (the latter for odd seeds, which also take dQ's long-row tiles)."""
+    one key, grouped K/V heads (at d 256 hopper/backward_wide's dK/dV pass walks the group's heads), token-major
+    views; all three Gluon kernels must have run.  long_dq: dQ's long-row tiles whatever the size (d 256)."""
     q, k, v = _grouped_qkv(heads, nq, nk, d, dtype, token_major, seed)
     ran = []
     with pytest.MonkeyPatch.context() as patch:
@@ -362,11 +387,8 @@ def test_gpu_hopper_kernels_match_float64_reference(heads, nq, nk, d, is_causal,
         patch.setenv("CS336_FLASH_HOPPER_BWD", "1")
         patch.setenv("CS336_FLASH_FUSED_BWD", "0")  # the two-kernel backward (the fused one has a test of its own)
         patch.setenv(flash_triton.REPLAY_ENV, "0")  # every call through the launchers counted below
-        if split_dv:  # the two-launch plan; odd seeds with the dK part's long-row tiles
-            patch.setattr(dkdv_hopper, "SPLIT_MIN_QUERIES", 0)
-            patch.setattr(dkdv_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)
-            patch.setattr(dq_hopper, "LONG_QUERIES", 0 if seed % 2 else 1 << 30)  # and dQ's long-row tiles
-            patch.setattr(common, "enough_work", lambda *args: True)
+        if long_dq:
+            patch.setattr(dq_hopper, "LONG_QUERIES", 0)
         record_gluon_launches(patch, ran)
         assert_flash_accuracy(lambda *a: FlashAttentionTriton.apply(*a), q, k, v, is_causal)
     assert ran == ["fwd", "dq", "dkdv"], f"Hopper kernels that ran: {ran}"  # forced on: all three must run
@@ -429,29 +451,27 @@ def test_gpu_d128_dq_stage_counts_agree_bit_for_bit(monkeypatch, is_causal, n):
 
 @pytest.mark.gpu
 @ON_HOPPER
-@pytest.mark.parametrize("is_causal", [True, False])
-def test_gpu_d256_dkdv_launch_plans_agree_bit_for_bit(is_causal):
-    """At d 256 the dV and dK parts run in two launches from 8192 queries (the dV part with its own tiles) and
-    in one launch below; both plans, and the portable kernel, do the same arithmetic per output."""
+@pytest.mark.parametrize("is_causal, heads, n", [(True, (2, 2), 4096), (False, (4, 2), 1000)])
+def test_gpu_d256_dkdv_pass_equals_the_fused_pass_bit_for_bit(is_causal, heads, n):
+    """hopper/backward_wide's dK/dV pass (after hopper/dq) and its fused pass do the same arithmetic per dK
+    and dV entry (same tiles, same order): equal bit for bit, with grouped heads and a ragged length too."""
+    wide = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
     g = torch.Generator("cuda").manual_seed(11)
-    q, k, v, do = (torch.randn(1, 2, 8192, 256, generator=g, device="cuda").bfloat16() for _ in range(4))
+    q, do = (torch.randn(1, heads[0], n, 256, generator=g, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, heads[1], n, 256, generator=g, device="cuda").bfloat16() for _ in range(2))
     o, lse = flash_calls.forward(q, k, v, is_causal, tma=0)  # portable forward
     delta, dq = torch.empty_like(lse), torch.empty_like(q)
-    cfg = flash_calls.select_configs(q, k, is_causal)
-    flash_launch.dq(q, k, v, do, lse, delta, dq, is_causal, cfg["dq"], o=o)
+    dq_hopper.launch(q, k, v, o, do, lse, delta, dq, is_causal)
     results = []
-    for plan in ("two launches", "one launch", "portable"):
+    for fused in (False, True):
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-        if plan == "two launches":
-            assert q.shape[-2] >= dkdv_hopper.SPLIT_MIN_QUERIES
-            dkdv_hopper.launch(q, k, v, do, lse, delta, dk, dv, is_causal)
-        elif plan == "one launch":
-            dkdv_hopper._launch_part(q, k, v, do, lse, delta, dk, dv, is_causal, dkdv_hopper.tiles(256), 3)
+        if fused:
+            dqa = torch.empty(q.numel(), device="cuda", dtype=torch.float32)
+            wide.launch(q, k, v, o, do, lse, torch.empty_like(lse), dqa, torch.empty_like(q), dk, dv, is_causal)
         else:
-            flash_launch.dkdv(q, k, v, do, lse, delta, dk, dv, is_causal, cfg["dkdv"])
+            wide.launch_dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)
         results.append((dk, dv))
-    for dk, dv in results[1:]:
-        assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
 
 

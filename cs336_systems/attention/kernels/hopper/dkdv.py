@@ -26,15 +26,14 @@ past Nk.  Grouped-query attention: the query loop runs over the group's heads in
 dK and dV sum over the group with no atomics.
 
 d 256: a (64, 256) float32 accumulator is 128 registers a thread, so one warpgroup cannot hold dK and dV
-together.  Each key block gets two programs (`parts`): one accumulates dV (S^T, then dV += P^T dO_t; V is not
-read), the other dK (S^T, dP^T, then dK += dS^T Q_t).  Five tile products instead of four, the split the
-portable kernel makes at this head dim (`TileConfig.parts`), and the same arithmetic per output, so the
-results equal the one-pass kernel's.  Short rows run both parts in one launch (a third grid axis); long rows
-in two launches, the dV part with 64-row steps of its own (`dkdv`, DV_TILES_256).
+together; `launch` hands d 256 to hopper/backward_wide, whose two consumer warpgroups split the head dim of a
+64-key block (each holds half of dK and of dV) and share P^T and dS^T through shared memory: four tile products,
+where one-accumulator programs need five (S^T twice).
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels (its descriptors and helpers are `common`'s); where
 it runs is decided by `cs336_systems.attention.plan` (its table `RULES`).  bfloat16 and float16; head dims 64,
-80, 96, 128 and 256 (80 and 96 in 128-wide tiles: `common.tile_dim`, with S^T and dP^T over two
+80, 96 and 128 here, 256 through hopper/backward_wide (80 and 96 in 128-wide tiles: `common.tile_dim`, with S^T and
+dP^T over two
 K-dim slices of the tiles, 64 and d - 64 columns, `common.dot_nt`; dK and dV keep 128-wide
 accumulators, so their products still run over the tile's zero columns).
 """
@@ -65,32 +64,8 @@ def tiles(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N keys per program, BLOCK_M query rows per step, ring stages), the fastest measured
     (docs/flash-attention-experiments.md, Section 14): d 64 takes 64 x 64 with 3 stages, d 128 64 x 32 with 4
     (a 64-row query step at d 128 holds S^T, dP^T, dK and dV in registers with too little room left).  Shared
-    memory at d 128: K + V 32 KB and 4 x (Q + dO) 64 KB.  d 256 (two parts, one accumulator each): 64 x 32 with
-    3 stages, K + V 64 KB and 3 x (Q + dO) 96 KB (both parts in one launch; in two launches the dK part takes
-    DK_TILES_LONG_256 from LONG_QUERIES queries)."""
-    if head_dim <= 64:
-        return (64, 64, 3)
-    return (64, 32, 4) if head_dim <= 128 else (64, 32, 3)
-
-
-def parts(head_dim: int) -> int:
-    """Programs per key block: 2 at d 256, where one (64, 256) float32 accumulator (128 registers a thread)
-    is all a warpgroup holds beside S^T and dP^T, so dV and dK are computed in separate programs (S^T
-    computed by both: five tile products instead of four); 1 below."""
-    return 2 if head_dim > 128 else 1
-
-
-# d 256, the dV part in a launch of its own: 64-row steps (S^T and P^T only, so the registers allow them)
-# read half the K bytes per product of 32-row steps, which made them faster; the dK part keeps `tiles` (its
-# 64-row steps spill).  Two launches only from SPLIT_MIN_QUERIES queries, where each part fills the GPU: at
-# short rows one launch measured faster (docs/flash-attention-experiments.md, Section 14).
-DV_TILES_256 = (64, 64, 2)
-SPLIT_MIN_QUERIES = 8192
-# ... and from LONG_QUERIES queries the dK part takes 16-row steps: K + V 64 KB and 3 x (Q + dO) 48 KB, so two
-# programs share an SM; faster at long rows, slower at shorter ones (docs/flash-attention-experiments.md,
-# Section 14).
-DK_TILES_LONG_256 = (64, 16, 3)
-LONG_QUERIES = 32768
+    memory at d 128: K + V 32 KB and 4 x (Q + dO) 64 KB."""
+    return (64, 64, 3) if head_dim <= 64 else (64, 32, 4)
 
 
 @gluon.jit
@@ -107,15 +82,18 @@ def _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, tile, n
 
 
 @gluon.jit
-def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
-                  heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, PART: gl.constexpr,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
-    """One program: BLOCK_N keys of one (z, h_kv).  PART 0 accumulates dK and dV; PART 1 only dV (S^T and
-    P^T dO: V is not read); PART 2 only dK (S^T, dP^T and dS^T Q).  D_SPLIT: `common.dot_nt`'s, for
-    S^T and dP^T."""
+def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale,
+                             n_q, n_k, heads, kv_heads, group,
+                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+                             D_SPLIT: gl.constexpr):
+    """Grid (key blocks, Z * H_kv): one program accumulates dK and dV of BLOCK_N keys of one (z, h_kv).
+    D_SPLIT: `common.dot_nt`'s, for S^T and dP^T."""
     dtype: gl.constexpr = q_desc.dtype
     DP_GROUPS: gl.constexpr = 2 if D_SPLIT > 0 else 1  # wgmma groups of dP^T (`common.dot_nt`)
+    k_buf, v_buf, kv_bar = common.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
+    q_buf, do_buf, ready = common.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
+    fence_async_shared()
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
     z = zh // kv_heads
@@ -143,22 +121,16 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
         diag_tiles = 0
     full_end = n_q // BLOCK_M - lo_tile  # relative tiles that are complete (no rows past Nq)
 
-    if PART == 1:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
-    if PART != 1:
-        tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
+    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
     for t in gl.static_range(NUM_STAGES):
         _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t, n_iter, m_tiles, lo_tile,
                    BLOCK_M, NUM_STAGES)
 
     # loop-carried as in-flight accumulators: each step waits for the previous step's products
-    if PART != 1:
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-    if PART != 2:
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=key_layout)
     mbarrier.wait(kv_bar, 0)
@@ -172,22 +144,15 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
         row_base = (z * heads + h) * n_q
         in_q = cols < n_q
         lse = gl.load(L + row_base + cols, mask=in_q, other=0.0) * 1.4426950408889634
-        if PART != 1:
-            delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
+        delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
         mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
         q_s = q_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_s = do_buf.index(stage).reshape([BLOCK_M, HEAD_DIM])
         s_tok = common.dot_nt(k_smem, q_s, s_zero, D_SPLIT)
         # S^T done, and so are the previous step's dK/dV products: its ring stage takes step t - 1 + NUM_STAGES
         # (dP^T left in flight)
-        if PART == 0:
-            dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
-            s_t, dk, dv = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk, dv))
-        elif PART == 1:
-            s_t, dv = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dv))
-        else:
-            dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
-            s_t, dk = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk))
+        dp_tok = common.dot_nt(v_smem, do_s, s_zero, D_SPLIT)
+        s_t, dk, dv = warpgroup_mma_wait(num_outstanding=DP_GROUPS, deps=(s_tok, dk, dv))
         if t > 0:
             _load_q_do(q_desc, do_desc, q_buf, do_buf, ready, z, kv_head, group, t - 1 + NUM_STAGES, n_iter,
                        m_tiles, lo_tile, BLOCK_M, NUM_STAGES)
@@ -198,98 +163,43 @@ def _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, s
             if CAUSAL:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
             p_t = gl.where(visible, p_t, 0.0)
-        if PART != 1:
-            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_s, do_s))[0]
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-        if PART != 2:
-            p_op = gl.convert_layout(p_t.to(dtype), op_layout)
-        if PART != 1:
-            ds_op = gl.convert_layout(ds_t.to(dtype), op_layout)
-        if PART != 2:
-            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-        if PART != 1:
-            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, q_s, do_s))[0]
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        ds_op = gl.convert_layout(ds_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
 
-    if PART == 0:
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    elif PART == 1:
-        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
-    else:
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     # K's and V's buffers stage dK and dV for the TMA stores
-    if PART != 1:
-        k_smem.store((dk * sm_scale).to(dtype))
-    if PART != 2:
-        v_smem.store(dv.to(dtype))
+    k_smem.store((dk * sm_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
     fence_async_shared()
-    if PART != 1:
-        tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf)
-    if PART != 2:
-        tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf)
+    tma.async_copy_shared_to_global(dk_desc, [z, kv_head, start_n, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [z, kv_head, start_n, 0], v_buf)
     tma.store_wait(0)
-
-
-@gluon.jit
-def flash_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale,
-                             n_q, n_k, heads, kv_heads, group,
-                             CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PART: gl.constexpr,
-                             num_warps: gl.constexpr, D_SPLIT: gl.constexpr):
-    """Grid (key blocks, Z * H_kv, 1 or 2).  PART 0: dK and dV in one program; 1: dV only; 2: dK only; 3:
-    program_id(2) picks (0: dV, 1: dK), one float32 accumulator per program (d 256)."""
-    k_buf, v_buf, kv_bar = common.alloc_pair(k_desc, v_desc, BLOCK_N, HEAD_DIM)
-    q_buf, do_buf, ready = common.alloc_ring(q_desc, do_desc, BLOCK_M, HEAD_DIM, NUM_STAGES)
-    fence_async_shared()
-    if PART != 3:
-        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
-                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, PART, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
-    elif gl.program_id(2) == 0:
-        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
-                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 1, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
-    else:
-        _dkdv_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, sm_scale, qk_scale, n_q, n_k,
-                      heads, kv_heads, group, k_buf, v_buf, kv_bar, q_buf, do_buf, ready, 2, CAUSAL, HEAD_DIM,
-                      BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, D_SPLIT)
-
-
-def _launch_part(q, k, v, do, lse, delta, dk, dv, causal: bool, tile: tuple[int, int, int], part: int,
-            wrap=direct) -> None:
-    n_q, d = q.shape[-2:]
-    kv_heads = k.shape[1]
-    block_n, block_m, stages = tile
-    grid = (triton.cdiv(k.shape[-2], block_n), k.shape[0] * kv_heads, 2 if part == 3 else 1)
-    wrap(flash_dkdv_hopper_kernel)[grid](
-        common.descriptor(q, block_m), common.descriptor(k, block_n), common.descriptor(v, block_n),
-        common.descriptor(do, block_m), common.descriptor(dk, block_n), common.descriptor(dv, block_n), lse, delta,
-        1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
-        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, PART=part,
-        num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
-        D_SPLIT=common.d_split(d),
-    )
 
 
 def launch(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:
     """dk, dv (like k, v; TMA strides, `plan.tma_layout_ok`) written in place; lse, delta (Z, H, Nq)
-    contiguous float32.
+    contiguous float32.  One launch; d 256 is hopper/backward_wide's `launch_dkdv` (module docstring).
+    ``wrap``: `portable.launch.direct`, or a `replay.Recorder` recording the launch."""
+    n_q, d = q.shape[-2:]
+    if d == 256:
+        from cs336_systems.attention.kernels.hopper import backward_wide
 
-    d <= 128: one launch, dK and dV per program.  d 256: the two parts in one launch of two programs per key
-    block, or, at SPLIT_MIN_QUERIES queries or more where each part alone fills the GPU (a key block per SM),
-    two launches, so that the dV part takes its own, taller steps (DV_TILES_256); from LONG_QUERIES queries
-    the dK part takes shorter ones (DK_TILES_LONG_256).  ``wrap``: `portable.launch.direct`, or a
-    `replay.Recorder` recording the launches."""
-    width = common.tile_dim(q.shape[-1])
-    if parts(width) == 1:
-        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 0, wrap)
+        backward_wide.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, wrap)
         return
-    key_blocks = triton.cdiv(k.shape[-2], tiles(width)[0]) * k.shape[0] * k.shape[1]
-    if q.shape[-2] >= SPLIT_MIN_QUERIES and common.enough_work(key_blocks, q.device, 1):
-        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, DV_TILES_256, 1, wrap)
-        dk_tiles = DK_TILES_LONG_256 if q.shape[-2] >= LONG_QUERIES else tiles(width)
-        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, dk_tiles, 2, wrap)
-    else:
-        _launch_part(q, k, v, do, lse, delta, dk, dv, causal, tiles(width), 3, wrap)
+    kv_heads = k.shape[1]
+    block_n, block_m, stages = tiles(common.tile_dim(d))
+    wrap(flash_dkdv_hopper_kernel)[(triton.cdiv(k.shape[-2], block_n), k.shape[0] * kv_heads)](
+        common.descriptor(q, block_m), common.descriptor(k, block_n), common.descriptor(v, block_n),
+        common.descriptor(do, block_m), common.descriptor(dk, block_n), common.descriptor(dv, block_n), lse, delta,
+        1.0 / math.sqrt(d), common.LOG2E / math.sqrt(d), n_q, k.shape[-2], q.shape[1], kv_heads, q.shape[1] // kv_heads,
+        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=block_n // 16,  # 16 rows per warp: one warpgroup per 64 keys
+        D_SPLIT=common.d_split(d),
+    )
