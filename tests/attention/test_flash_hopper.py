@@ -455,29 +455,26 @@ def test_gpu_d128_dq_stage_counts_agree_bit_for_bit(monkeypatch, is_causal, n):
 def test_gpu_d256_dkdv_pass_equals_the_fused_pass_bit_for_bit(is_causal, heads, n):
     """hopper/backward_wide's dK/dV pass and its fused pass do the same arithmetic per dK and dV entry (same
     tiles, same order): equal bit for bit given the same delta (the fused pass's own, which the dK/dV pass
-    then reads in place of hopper/dq's), with grouped heads and a ragged length too; dQ from the fused pass
-    matches hopper/dq's to float32 summation order."""
+    then reads in place of hopper/dq's), with grouped heads and a ragged length too.  (The fused pass's dQ is
+    checked against float64 by test_gpu_fused_backward_matches_float64_reference.)"""
     wide = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
     g = torch.Generator("cuda").manual_seed(11)
     q, do = (torch.randn(1, heads[0], n, 256, generator=g, device="cuda").bfloat16() for _ in range(2))
     k, v = (torch.randn(1, heads[1], n, 256, generator=g, device="cuda").bfloat16() for _ in range(2))
     o, lse = flash_calls.forward(q, k, v, is_causal, tma=0)  # portable forward
-    dq = torch.empty_like(q)
-    dq_hopper.launch(q, k, v, o, do, lse, torch.empty_like(lse), dq, is_causal)
-    delta, fused_dq = torch.empty_like(lse), torch.empty_like(q)
+    delta = torch.empty_like(lse)
     results = []
     for fused in (True, False):
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         if fused:
             dqa = torch.empty(q.numel(), device="cuda", dtype=torch.float32)
-            wide.launch(q, k, v, o, do, lse, delta, dqa, fused_dq, dk, dv, is_causal)
+            wide.launch(q, k, v, o, do, lse, delta, dqa, torch.empty_like(q), dk, dv, is_causal)
         else:
             wide.launch_dkdv(q, k, v, do, lse, delta, dk, dv, is_causal)
         results.append((dk, dv))
     assert torch.equal(results[0][1], results[1][1]), "dV"
     assert torch.equal(results[0][0], results[1][0]), "dK"
     assert torch.isfinite(results[0][0]).all() and results[0][0].abs().max() > 0
-    torch.testing.assert_close(fused_dq, dq, rtol=2 ** -7, atol=1e-3)
 
 
 def _forward_inputs(z, heads, nq, nk, d, token_major, device="cuda"):
