@@ -42,7 +42,7 @@ GLUON_TRITON_VERSIONS = ("3.6.",)
 # Head dims each Gluon kernel has ("on" takes every one of them).
 # "fwd-ws": the forward's warp-specialized kernel (hopper/forward_ws), which its rules take in place of
 # hopper/forward wherever the Gluon forward runs.
-KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "fwd-ws": (64, 80, 96, 128), "dq": (64, 80, 96, 128, 256),
+KERNEL_HEAD_DIMS = {"fwd": (64, 80, 96, 128, 256), "fwd-ws": (64, 80, 96, 128, 256), "dq": (64, 80, 96, 128, 256),
                     "dkdv": (64, 80, 96, 128, 256), "fused": (64, 80, 96, 128, 256)}
 MAX_SLICES = 65535  # a grid's second dimension: (z, h) slices of one launch
 

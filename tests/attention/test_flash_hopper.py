@@ -268,7 +268,7 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
     # the warp-specialized forward (d 64-128, 80 / 96 in 128-wide tiles): Q's two 64-row halves and its K/V
     # ring in one program
     for d in ws_hopper.HEAD_DIMS:
-        block_n, stages = ws_hopper.TILES
+        block_n, stages = ws_hopper.tiles(common.tile_dim(d))
         assert 2 * common.tile_dim(d) * (2 * ws_hopper.ROWS + 2 * stages * block_n) <= 227 * 1024, d
     # its registers: 65536 a program, spread over 12 warps at launch, then rebalanced per warpgroup
     assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
@@ -523,17 +523,22 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
     (2, (3, 3), 1, 300, 96, True, True),  # one query row: the second warpgroup's rows are all past Nq
     (1, (8, 2), 2048, 2048, 80, True, True),  # grouped K/V heads
     (2, (3, 3), 200, 700, 96, True, False),  # causal, Nk > Nq
+    (1, (4, 4), 4096, 4096, 256, True, True),  # d 256: 64-key tiles in two stages
+    (2, (3, 3), 1000, 1025, 256, False, False),
+    (2, (3, 3), 1, 300, 256, True, True),
+    (1, (8, 2), 2048, 2048, 256, True, False),
 ])
-def test_gpu_warp_specialized_forward_at_sliced_head_dims_matches_float64(z, heads, nq, nk, d, is_causal,
-                                                                         token_major):
+def test_gpu_warp_specialized_forward_at_sliced_and_wide_head_dims_matches_float64(z, heads, nq, nk, d, is_causal,
+                                                                                  token_major):
     """At d 80 / 96 the warp-specialized forward runs in d 128's tiles with S over d in two slices (its
-    128-key tiles differ from the one-program kernel's 64, so the two agree to rounding, not bit for bit):
-    O within 2x naive bf16 attention's error (+ the floor) of float64, L within 1e-4 + the floor, both finite."""
+    128-key tiles differ from the one-program kernel's 64, so the two agree to rounding, not bit for bit), at
+    d 256 in 64-key tiles (the one-program kernel's are 32): O within 2x naive bf16 attention's error (+ the
+    floor) of float64, L within 1e-4 + the floor, both finite."""
     from attention_reference import ATOL, reference
 
     from cs336_systems.attention.naive import naive_attention
 
-    assert d in ws_hopper.HEAD_DIMS and common.d_split(d) == d - 64
+    assert d in ws_hopper.HEAD_DIMS and common.d_split(d) == (0 if d == 256 else d - 64)
     q, k, v = _forward_inputs(z, heads, nq, nk, d, token_major)
     o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
     ws_hopper.launch(q, k, v, o, lse, is_causal)

@@ -56,13 +56,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.attention.kernels.hopper import common
 from cs336_systems.attention.kernels.portable.launch import direct
 
-HEAD_DIMS = (64, 80, 96, 128)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
 ROWS = 64
 # (BLOCK_N keys per tile, ring stages): with two stages the producer waits for both consumers before a tile
 # can land, which serializes them again; 64-key tiles measured slower too (docs/flash-attention-experiments.md,
 # Section 14).
 TILES = (128, 3)
+# d 256: a (64, 256) float32 O is 128 registers a thread, and 64-key tiles in two stages (Q 64 KB, K + V 64 KB a
+# stage: 192 KB) leave S 32 more; ptxas spills nothing at 240 (Triton 3.6, sm_90a)
+TILES_256 = (64, 2)
+
+
+def tiles(width: int) -> tuple[int, int]:
+    """(BLOCK_N keys per tile, ring stages) for a tile width (`common.tile_dim`)."""
+    return TILES if width <= 128 else TILES_256
 # Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
 # warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
 MAXNREG = 168
@@ -187,7 +195,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
     if d not in HEAD_DIMS:
         raise ValueError(f"the warp-specialized forward takes head dims {HEAD_DIMS}; got d={d}")
     heads, n_k = q.shape[1], k.shape[-2]
-    block_n, stages = TILES
+    block_n, stages = tiles(common.tile_dim(d))
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
     wrap(flash_fwd_hopper_ws_kernel)[grid](
         common.descriptor(q, ROWS), common.descriptor(k, block_n), common.descriptor(v, block_n),
