@@ -43,9 +43,14 @@ TABLE = [
     (problem(1, 64, 2048, 128, nk=2047, causal=False), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 2, 2048, 128, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 32 programs: few
     (problem(1, 1, 32768, 128, causal=False), (WS, FUSED, "-", "-", CUSTOM)),  # 256 programs: one per SM
-    # forward at d 256: from 16384 keys
-    (problem(1, 8, 16384, 256), (HOP, TWO, HOP, HOP, CUSTOM)),
-    (problem(1, 64, 8192, 256), (P, TWO, HOP, HOP, CUSTOM)),
+    # forward at d 256: warp-specialized from two 128-row programs per SM (H200 rule), else the one-program
+    # kernel from 16384 keys and a program per SM
+    (problem(1, 8, 16384, 256), (WS, TWO, HOP, HOP, CUSTOM)),
+    (problem(1, 64, 8192, 256), (WS, TWO, HOP, HOP, CUSTOM)),
+    (problem(1, 3, 16384, 256), (WS, TWO, HOP, HOP, CUSTOM)),  # 384 programs
+    (problem(1, 2, 16384, 256), (HOP, TWO, HOP, HOP, CUSTOM)),  # 256 programs: fewer than two per SM
+    (problem(1, 1, 16384, 256), (P, TWO, HOP, HOP, CUSTOM)),  # 128 programs: fewer than SMs
+    (problem(2, 8, 1024, 256, causal=False), (P, TWO, P, P, TRITON_OP)),  # 1024 keys: short rows
     # d 80 / 96: the forward from 512 keys, programs counted in 128-row units
     (problem(1, 17, 1024, 80, causal=False), (HOP, FUSED, "-", "-", CUSTOM)),  # 136 units (and fused programs)
     (problem(1, 9, 1024, 80, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 72 units; 72 fused programs: few
@@ -82,7 +87,7 @@ TABLE = [
     (problem(1, 2, 32768, 64, hkv=1, causal=False), (P, TWO, P, P, TRITON_OP)),  # grouped, not causal
     (problem(1, 1, 4096, 256), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 1, 1024, 256), (P, TWO, P, P, TRITON_OP)),
-    (problem(1, 8, 8192, 256, hkv=2), (P, TWO, HOP, P, CUSTOM)),
+    (problem(1, 8, 8192, 256, hkv=2), (WS, TWO, HOP, P, CUSTOM)),
     # what the Gluon kernels cannot take
     (problem(1, 16, 16384, 64, dtype=FP32), (P, TWO, P, P, TRITON_OP)),
     (problem(1, 16, 16384, 112), (P, TWO, P, P, TRITON_OP)),
@@ -98,7 +103,7 @@ def test_the_plan_table(p, expected):
 
 
 # Where the H100 differs: the rules measured on the H200 only (the fused pass at d 80 / 96 and for grouped
-# heads, the warp-specialized forward at d 80 / 96) are not its defaults until measured there; it keeps the
+# heads, the warp-specialized forward at d 80 / 96 and 256) are not its defaults until measured there; it keeps the
 # plan those rows had before them.
 H100_DIFFERS = {
     problem(4, 32, 512, 80): (HOP, TWO, HOP, HOP, CUSTOM),
@@ -110,6 +115,10 @@ H100_DIFFERS = {
     problem(1, 32, 4096, 128, hkv=1): (WS, TWO, HOP, P, CUSTOM),  # dQ counts query heads: 2048 programs
     problem(1, 32, 2048, 64, hkv=8): (P, TWO, HOP, P, CUSTOM),
     problem(1, 32, 4096, 128, hkv=8, causal=False): (WS, TWO, HOP, P, CUSTOM),
+    problem(1, 8, 16384, 256): (HOP, TWO, HOP, HOP, CUSTOM),
+    problem(1, 64, 8192, 256): (P, TWO, HOP, HOP, CUSTOM),
+    problem(1, 3, 16384, 256): (HOP, TWO, HOP, HOP, CUSTOM),
+    problem(1, 8, 8192, 256, hkv=2): (P, TWO, HOP, P, CUSTOM),
 }
 
 

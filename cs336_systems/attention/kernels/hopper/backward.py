@@ -63,10 +63,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -107,14 +105,6 @@ SPLIT_STEPS = 64
 MAXNREG = 168
 REGS = (240, 24)
 _BLOCK_N = gl.constexpr(BLOCK_N)
-
-
-@builtin
-def _reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of the shared tile ``src`` into the descriptor's box at ``coord`` (Triton 3.6's Gluon
-    exposes the instruction only through its builder)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -189,9 +179,9 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, splits, 
             # 128-row steps: consumer w's rows 64 w .. + 64; 64-row steps: its half of the columns (rows past
             # Nq are clipped)
             if BLOCK_M == 128:
-                _reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))
+                common.reduce_add(dq_desc, [z, h, m0 + 64 * w, 0], dq_stage.index(w))
             else:
-                _reduce_add(dq_desc, [z, h, m0, (HEAD_DIM // 2) * w], dq_stage.index(w))
+                common.reduce_add(dq_desc, [z, h, m0, (HEAD_DIM // 2) * w], dq_stage.index(w))
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(w), count=1)
 

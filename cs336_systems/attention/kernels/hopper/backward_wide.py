@@ -62,7 +62,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.attention.kernels.hopper import common
-from cs336_systems.attention.kernels.hopper.backward import _reduce_add
 from cs336_systems.attention.kernels.portable.launch import direct
 
 HEAD_DIMS = (256,)
@@ -137,7 +136,8 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: 
             for j in gl.static_range(4):
                 for w in gl.static_range(2):
                     mbarrier.wait(dq_full.index(w), (t * 4 + j) & 1)
-                    _reduce_add(dq_desc, [z, h, _COLS * w + 64 * (j // 2), m0 + _HALF * (j % 2)], dq_stage.index(w))
+                    common.reduce_add(dq_desc, [z, h, _COLS * w + 64 * (j // 2), m0 + _HALF * (j % 2)],
+                                      dq_stage.index(w))
                     tma.store_wait(0)
                     mbarrier.arrive(dq_empty.index(w), count=1)
 

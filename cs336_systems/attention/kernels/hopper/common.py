@@ -17,13 +17,24 @@ import functools
 
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from cs336_systems.attention.kernels.portable.launch import sm_count
 
 LOG2E = 1.4426950408889634
+
+
+@builtin
+def reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared tile ``src`` into the descriptor's box at ``coord`` (Triton 3.6's Gluon
+    exposes the instruction only through its builder): the fused backwards' dQ accumulation."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
 
 @gluon.jit
 def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):

@@ -1,4 +1,4 @@
-"""Warp-specialized FlashAttention forward for Hopper (sm_90) in Gluon, at head dims 64, 80, 96 and 128: a TMA
+"""Warp-specialized FlashAttention forward for Hopper (sm_90) in Gluon, at head dims 64, 80, 96, 128 and 256: a TMA
 producer warp and two consumer warpgroups that run independently of each other.
 
     forward(q, k, v, o, lse, causal)   q, o: (Z, H, Nq, d)   k, v: (Z, H_kv, Nk, d)   lse: (Z, H, Nq) float32
@@ -18,14 +18,15 @@ Each partition synchronizes only its own warps, so the two consumers drift apart
 overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
 rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
 then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
-NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages.  d 80 and 96 run
+NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages, 192 KB at d 256
+with 32-key tiles and 4 (`tiles`; there O alone is 128 registers a thread).  d 80 and 96 run
 in d 128's tiles (`common.tile_dim`: TMA zero-fills the columns past d and drops them on the store), with
 S = Q K^T over d in two slices (`common.d_split`: 64 + 16 or 32 columns, wgmma skipping the zeros); P V keeps
 the whole tile (its output columns past d are zeros that are never stored).
 
 The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so at d 64
-and 128 O and L equal that kernel's bit for bit (GPU test).  That holds because BLOCK_N equals the 128-row
-block: each consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer
+and 128 O and L equal that kernel's bit for bit (GPU test; at d 256 both are checked against float64).  That
+holds because BLOCK_N equals the 128-row block: each consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer
 would skip the mask on a tile that kernel masks, a result as correct but not bit-equal).  At d 80 / 96
 hopper.forward takes 64-key tiles, so there the two agree to rounding (both checked against float64).
 Causal programs run longest first; both consumers walk the key tiles of the whole 128-row block (the producer
@@ -34,7 +35,8 @@ rows: its scores are masked to -1e6 and add zeros.
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels.  Where the Gluon forward runs is decided by
 `cs336_systems.attention.plan` (its table `RULES`), whose "fwd-ws" rules take this kernel instead of
-hopper.forward's (at d 64 and 128 always, at d 80 / 96 from 2048 keys).
+hopper.forward's (at d 64 and 128 always, at d 80 / 96 from 2048 keys, at d 256 from two 128-row programs an
+SM).
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ ROWS = 64
 # can land, which serializes them again; 64-key tiles measured slower too (docs/flash-attention-experiments.md,
 # Section 14).
 TILES = (128, 3)
-# d 256: a (64, 256) float32 O is 128 registers a thread, and 64-key tiles in two stages (Q 64 KB, K + V 64 KB a
-# stage: 192 KB) leave S 32 more; ptxas spills nothing at 240 (Triton 3.6, sm_90a)
-TILES_256 = (64, 2)
+# d 256: a (64, 256) float32 O is 128 registers a thread; 32-key tiles in four stages (Q 64 KB, K + V 32 KB a
+# stage: 192 KB) measured 7-22% faster than 64-key tiles in two (whose producer waits for both consumers before a
+# tile can land) and 1-5% faster than three stages; ptxas spills nothing in any of them at 240 registers
+# (docs/flash-attention-experiments.md, Section 20)
+TILES_256 = (32, 4)
 
 
 def tiles(width: int) -> tuple[int, int]:
