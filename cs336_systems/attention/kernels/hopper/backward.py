@@ -120,47 +120,14 @@ def _kv_slice(kv_heads, group, splits):
 
 
 @gluon.jit
-def _steps(start_n, n_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(first query tile, query tiles per head, steps): causal programs skip the tiles before their keys."""
-    if CAUSAL:
-        lo_tile = start_n // BLOCK_M
-    else:
-        lo_tile = 0
-    m_tiles = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
-    n_iter = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 0) * group
-    return lo_tile, m_tiles, n_iter
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
               empty, L, Delta, n_q, heads, kv_heads, group, splits, CAUSAL: gl.constexpr,
               NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """K and V once; per step Q, dO (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage
-    both consumers released.  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
-    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    start_n = gl.program_id(0) * _BLOCK_N
+    """`common.backward_producer` for this program's key block and its share of the group's query heads."""
     z, kv_head, split, h0, per_split = _kv_slice(kv_heads, group, splits)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
-    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, per_split, CAUSAL, BLOCK_M)
-    for t in range(n_iter):
-        stage = t % NUM_STAGES
-        if t >= NUM_STAGES:
-            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
-        h = h0 + t // m_tiles
-        m0 = (lo_tile + t % m_tiles) * BLOCK_M
-        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage))
-        rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
-        base = (z * heads + h) * n_q
-        lse = gl.load(L + base + rows, mask=rows < n_q, other=0.0)
-        lse_buf.index(stage).store(lse * 1.4426950408889634)
-        delta = gl.load(Delta + base + rows, mask=rows < n_q, other=0.0)
-        delta_buf.index(stage).store(delta)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(stage), count=1)
+    common.backward_producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf,
+                             delta_buf, ready, empty, L, Delta, n_q, heads, z, kv_head, gl.program_id(0) * _BLOCK_N,
+                             h0, per_split, CAUSAL, NUM_STAGES, BLOCK_M)
 
 
 @gluon.jit
@@ -170,7 +137,7 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, splits, 
     the copy has read it."""
     start_n = gl.program_id(0) * _BLOCK_N
     z, kv_head, split, h0, per_split = _kv_slice(kv_heads, group, splits)
-    lo_tile, m_tiles, n_iter = _steps(start_n, n_q, per_split, CAUSAL, BLOCK_M)
+    lo_tile, m_tiles, n_iter = common.query_steps(start_n, n_q, per_split, CAUSAL, BLOCK_M)
     for t in range(n_iter):
         h = h0 + t // m_tiles
         m0 = (lo_tile + t % m_tiles) * BLOCK_M
@@ -206,18 +173,6 @@ def _dq_product(ds_buf, ds_full, k_all, dq_zero, u, W: gl.constexpr, DS_STAGES: 
 
 
 @gluon.jit
-def _stage_dq(dq, dq_stage, dq_full, dq_empty, t, W: gl.constexpr, DQ_N: gl.constexpr):
-    """Step t's finished dQ rows (float32) to this consumer's staging tile, once the writer has read step
-    t - 1's, and hand them to the writer."""
-    if t > 0:
-        mbarrier.wait(dq_empty.index(W), (t - 1) & 1)
-    dq_stage.index(W).reshape([64, DQ_N]).store(dq)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(dq_full.index(W), count=1)
-
-
-@gluon.jit
 def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty, ds_buf, ds_full,
               ds_empty, dq_stage, dq_full, dq_empty, dk_desc, dv_desc, DKP, DVP, sm_scale, qk_scale, n_q, n_k,
               kv_heads, group, splits, W: gl.constexpr, CAUSAL: gl.constexpr, RAGGED_KEYS: gl.constexpr,
@@ -239,7 +194,7 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
     k_all = k_buf.reshape([_BLOCK_N, HEAD_DIM])
     k_smem = k_all.slice(W * 64, 64, 0)
     v_smem = v_buf.reshape([_BLOCK_N, HEAD_DIM]).slice(W * 64, 64, 0)
-    lo_tile, m_tiles, n_iter = _steps(start_blk, n_q, per_split, CAUSAL, BLOCK_M)
+    lo_tile, m_tiles, n_iter = common.query_steps(start_blk, n_q, per_split, CAUSAL, BLOCK_M)
     full_end = n_q // BLOCK_M - lo_tile  # relative tiles with no rows past Nq
     diag_tiles = _BLOCK_N // BLOCK_M  # causal: the steps over the block's own 128 queries
     dk = gl.zeros([64, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -305,12 +260,12 @@ def _consumer(done, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, rea
         mbarrier.arrive(empty.index(stage), count=1)  # Q, dO, L and delta of this stage are read
         if t > 0:
             mbarrier.arrive(ds_empty.index((t - 1) % DS_STAGES), count=1)
-            _stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W, DQ_N)
+            common.stage_dq(dq, dq_stage, dq_full, dq_empty, t - 1, W, DQ_N)
     if n_iter > 0:  # the last step's dQ
         dq = _dq_product(ds_buf, ds_full, k_all, dq_zero, n_iter - 1 + DS_STAGES, W, DS_STAGES, True, BLOCK_M,
                          HEAD_DIM)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        _stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W, DQ_N)
+        common.stage_dq(dq, dq_stage, dq_full, dq_empty, n_iter - 1, W, DQ_N)
     if PARTIALS:  # float32, straight from the registers (no shared memory: K is still the other's operand)
         rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -344,20 +299,8 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     2 x 32 KB; the dS tiles 2 x 32 (16) KB; the dQ staging tiles 2 x 16 KB: 195 (194) KB with the ring's L and
     delta rows."""
     dtype: gl.constexpr = k_desc.dtype
-    k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    q_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
-    delta_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=2)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty = common.alloc_backward(
+        k_desc, q_desc, do_desc, _BLOCK_N, BLOCK_M, HEAD_DIM, NUM_STAGES)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, BLOCK_M], dtype)
     ds_buf = gl.allocate_shared_memory(dtype, [DS_STAGES, _BLOCK_N, BLOCK_M], ds_layout)
     ds_full = gl.allocate_shared_memory(gl.int64, [DS_STAGES, 1], mbarrier.MBarrierLayout())

@@ -80,46 +80,23 @@ _COLS = gl.constexpr(128)  # a consumer's columns of dK, dV (and dQ)
 @gluon.jit
 def _program(kv_heads, group, n_q, CAUSAL: gl.constexpr):
     """(z, K/V head, first query head, first key, first query tile, query tiles per head, steps) of this
-    program (grid: key blocks, Z * H_kv); causal programs skip the query tiles before their keys."""
+    program (grid: key blocks, Z * H_kv)."""
     start_n = gl.program_id(0) * _BLOCK_N
     zkv = gl.program_id(1)
     kv_head = zkv % kv_heads
-    if CAUSAL:
-        lo_tile = start_n // _BLOCK_M
-    else:
-        lo_tile = 0
-    m_tiles = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
-    n_iter = gl.maximum(gl.cdiv(n_q, _BLOCK_M) - lo_tile, 0) * group
+    lo_tile, m_tiles, n_iter = common.query_steps(start_n, n_q, group, CAUSAL, _BLOCK_M)
     return zkv // kv_heads, kv_head, kv_head * group, start_n, lo_tile, m_tiles, n_iter
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
               empty, L, Delta, n_q, heads, kv_heads, group, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """K and V once; per step Q, dO (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage
-    both consumers released.  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
-    vec_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-    z, kv_head, h0, start_n, lo_tile, m_tiles, n_iter = _program(kv_heads, group, n_q, CAUSAL)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
-    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
-    for t in range(n_iter):
-        stage = t % NUM_STAGES
-        if t >= NUM_STAGES:
-            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
-        h = h0 + t // m_tiles
-        m0 = (lo_tile + t % m_tiles) * _BLOCK_M
-        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage))
-        rows = m0 + gl.arange(0, _BLOCK_M, layout=vec_layout)
-        base = (z * heads + h) * n_q
-        lse = gl.load(L + base + rows, mask=rows < n_q, other=0.0)
-        lse_buf.index(stage).store(lse * 1.4426950408889634)
-        delta = gl.load(Delta + base + rows, mask=rows < n_q, other=0.0)
-        delta_buf.index(stage).store(delta)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(stage), count=1)
+    """`common.backward_producer` for this program's 64-key block."""
+    zkv = gl.program_id(1)
+    kv_head = zkv % kv_heads
+    common.backward_producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf,
+                             delta_buf, ready, empty, L, Delta, n_q, heads, zkv // kv_heads, kv_head,
+                             gl.program_id(0) * _BLOCK_N, kv_head * group, group, CAUSAL, NUM_STAGES, _BLOCK_M)
 
 
 @gluon.jit
@@ -140,17 +117,6 @@ def _writer(dq_desc, dq_stage, dq_full, dq_empty, n_q, kv_heads, group, CAUSAL: 
                                       dq_stage.index(w))
                     tma.store_wait(0)
                     mbarrier.arrive(dq_empty.index(w), count=1)
-
-
-@gluon.jit
-def _stage_dq(part, dq_stage, dq_full, dq_empty, j, W: gl.constexpr):
-    """dQ^T part j (float32, 64 x 32) to this consumer's staging tile once the writer has read part j - 1."""
-    if j > 0:
-        mbarrier.wait(dq_empty.index(W), (j - 1) & 1)
-    dq_stage.index(W).reshape([64, _HALF]).store(part)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(dq_full.index(W), count=1)
 
 
 @gluon.jit
@@ -231,16 +197,20 @@ def _consumer(k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, em
         dv = warpgroup_mma(p0, do_s.slice(0, _HALF, 0).slice(W * _COLS, _COLS, 1), dv, is_async=True)
         dv = warpgroup_mma(p1, do_s.slice(_HALF, _HALF, 0).slice(W * _COLS, _COLS, 1), dv, is_async=True)
         if FUSED:
-            _stage_dq(warpgroup_mma_wait(num_outstanding=3, deps=(dq0,)), dq_stage, dq_full, dq_empty, t * 4, W)
-            _stage_dq(warpgroup_mma_wait(num_outstanding=2, deps=(dq1,)), dq_stage, dq_full, dq_empty, t * 4 + 1, W)
+            part = warpgroup_mma_wait(num_outstanding=3, deps=(dq0,))
+            common.stage_dq(part, dq_stage, dq_full, dq_empty, t * 4, W, _HALF)
+            part = warpgroup_mma_wait(num_outstanding=2, deps=(dq1,))
+            common.stage_dq(part, dq_stage, dq_full, dq_empty, t * 4 + 1, W, _HALF)
             kt = k_smem.slice(W * _COLS + 64, 64, 1).permute((1, 0))
             dq2 = warpgroup_mma(kt, ds0, q_zero, use_acc=False, is_async=True)
             dq3 = warpgroup_mma(kt, ds1, q_zero, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds0, q_s.slice(0, _HALF, 0).slice(W * _COLS, _COLS, 1), dk, is_async=True)
         dk = warpgroup_mma(ds1, q_s.slice(_HALF, _HALF, 0).slice(W * _COLS, _COLS, 1), dk, is_async=True)
         if FUSED:
-            _stage_dq(warpgroup_mma_wait(num_outstanding=3, deps=(dq2,)), dq_stage, dq_full, dq_empty, t * 4 + 2, W)
-            _stage_dq(warpgroup_mma_wait(num_outstanding=2, deps=(dq3,)), dq_stage, dq_full, dq_empty, t * 4 + 3, W)
+            part = warpgroup_mma_wait(num_outstanding=3, deps=(dq2,))
+            common.stage_dq(part, dq_stage, dq_full, dq_empty, t * 4 + 2, W, _HALF)
+            part = warpgroup_mma_wait(num_outstanding=2, deps=(dq3,))
+            common.stage_dq(part, dq_stage, dq_full, dq_empty, t * 4 + 3, W, _HALF)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     # dK and dV from the registers: this consumer's columns, keys inside Nk
     rows = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -262,20 +232,8 @@ def flash_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, sk_z
     producer warp and the writer warp as workers (module docstring)."""
     dtype: gl.constexpr = k_desc.dtype
     HEAD_DIM: gl.constexpr = 256
-    k_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [1, 1, _BLOCK_N, HEAD_DIM], k_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    q_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, _BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, _BLOCK_M, HEAD_DIM], do_desc.layout)
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, _BLOCK_M], vec_smem)
-    delta_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, _BLOCK_M], vec_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=2)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty = common.alloc_backward(
+        k_desc, q_desc, do_desc, _BLOCK_N, _BLOCK_M, HEAD_DIM, NUM_STAGES)
     # P^T and dS^T: per stage one (64 keys, 32 queries) tile per consumer (tile 2 stage + w), each a whole wgmma
     # operand
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _HALF], dtype)

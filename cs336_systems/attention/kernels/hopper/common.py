@@ -21,7 +21,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from cs336_systems.attention.kernels.portable.launch import sm_count
 
@@ -47,6 +47,84 @@ def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_S
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
     return a_buf, b_buf, ready
+
+@gluon.jit
+def alloc_backward(k_desc, q_desc, do_desc, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
+    """The fused backwards' shared memory for `backward_producer`: K and V of a key block (BLOCK_N rows) and
+    their barrier, then a NUM_STAGES ring of Q and dO (BLOCK_M rows), L·log2(e) and delta rows, with a `ready`
+    barrier (two arrivals) and an `empty` one (one arrival per consumer) per stage, initialized; the caller
+    fences after its own barriers.  Returns (k, v, kv_bar, q, do, lse, delta, ready, empty)."""
+    dtype: gl.constexpr = k_desc.dtype
+    k_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    q_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    delta_buf = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    return k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, empty
+
+@gluon.jit
+def stage_dq(part, dq_stage, dq_full, dq_empty, j, W: gl.constexpr, COLS: gl.constexpr):
+    """The fused backwards' hand-off of a finished dQ part (float32, 64 x COLS) to the writer warp: into
+    consumer W's staging tile once the writer has read part j - 1 from it (`dq_empty`), then `dq_full`."""
+    if j > 0:
+        mbarrier.wait(dq_empty.index(W), (j - 1) & 1)
+    dq_stage.index(W).reshape([64, COLS]).store(part)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(W), count=1)
+
+@gluon.jit
+def query_steps(start_n, n_q, group, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The query steps of a backward program over the key block at start_n, for `group` query heads in turn:
+    (first query tile, query tiles per head, steps); causal programs skip the tiles before their keys."""
+    if CAUSAL:
+        lo_tile = start_n // BLOCK_M
+    else:
+        lo_tile = 0
+    m_tiles = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 1)  # at least 1: a divisor
+    n_iter = gl.maximum(gl.cdiv(n_q, BLOCK_M) - lo_tile, 0) * group
+    return lo_tile, m_tiles, n_iter
+
+@gluon.jit
+def backward_producer(q_desc, k_desc, v_desc, do_desc, k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready,
+                      empty, L, Delta, n_q, heads, z, kv_head, start_n, h0, group, CAUSAL: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The producer warp of the fused backwards (hopper/backward, hopper/backward_wide): K and V of the key
+    block at start_n once (kv_bar); then per step (`query_steps` over `group` query heads from h0), Q and dO
+    (TMA) and L·log2(e), delta (loads and shared stores) into the ring stage the step's turn gives, once both
+    consumers released it (`empty`).  `ready` takes two arrivals: the TMA bytes' expect and the stores'."""
+    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [z, kv_head, start_n, 0], kv_bar, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [z, kv_head, start_n, 0], kv_bar, v_buf)
+    lo_tile, m_tiles, n_iter = query_steps(start_n, n_q, group, CAUSAL, BLOCK_M)
+    for t in range(n_iter):
+        stage = t % NUM_STAGES
+        if t >= NUM_STAGES:
+            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) - 1) & 1)
+        h = h0 + t // m_tiles
+        m0 = (lo_tile + t % m_tiles) * BLOCK_M
+        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [z, h, m0, 0], ready.index(stage), q_buf.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [z, h, m0, 0], ready.index(stage), do_buf.index(stage))
+        rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
+        base = (z * heads + h) * n_q
+        lse = gl.load(L + base + rows, mask=rows < n_q, other=0.0)
+        lse_buf.index(stage).store(lse * 1.4426950408889634)
+        delta = gl.load(Delta + base + rows, mask=rows < n_q, other=0.0)
+        delta_buf.index(stage).store(delta)
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(stage), count=1)
 
 @gluon.jit
 def alloc_pair(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
