@@ -65,6 +65,16 @@ def test_fused_backward_prep_and_post_kernels_match_torch(d):
     assert torch.equal(dq, (dqa * 0.125).half())
 
 
+def test_wide_backward_refuses_other_head_dims():
+    """hopper/backward_wide is d 256's: any other head dim is refused, naming it, before anything launches."""
+    wide = pytest.importorskip("cs336_systems.attention.kernels.hopper.backward_wide")
+    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"head dims \(256,\); got d=128"):
+        wide.launch(q, q, q, q, q, None, None, None, q, q, q, True)
+    with pytest.raises(ValueError, match=r"got d=128"):
+        wide.launch_dkdv(q, q, q, q, None, None, q, q, True)
+
+
 @pytest.mark.skipif(not flash_triton.KERNELS_INTERPRETED, reason="CPU check of the small kernels in the interpreter")
 @pytest.mark.parametrize("n", [70, 64])
 def test_wide_backward_prep_and_post_kernels_use_the_transposed_accumulator(n):

@@ -1,7 +1,8 @@
 """What the Hopper (sm_90) Gluon kernels share: TMA descriptors over (Z, H, N, d) views and their tile
 widths, shared-memory rings and pairs with their mbarriers, wgmma accumulator layouts and products over
-sliced head dims, and the forward's online-softmax pieces (the plain and the warp-specialized forward both
-use them).
+sliced head dims, the forward's online-softmax pieces (the plain and the warp-specialized forward both
+use them), and the fused backwards' shared buffers, producer warp, query steps and dQ hand-off (hopper/backward
+and hopper/backward_wide: `alloc_backward`, `backward_producer`, `query_steps`, `stage_dq`, `reduce_add`).
 
 Tile widths: a head dim runs in the next power-of-two tile of at least 64 columns (`tile_dim`); 80 and 96 in
 128-wide tiles whose products over d skip the zero columns (`SLICED_HEAD_DIMS`, `d_split`, `dot_nt`,
