@@ -6,11 +6,11 @@ two consumer warpgroups that split the head dim, and with ``fused`` dQ from the 
     q, o, do, dq: (Z, H, Nq, 256)   k, v, dk, dv: (Z, H_kv, Nk, 256)   lse, delta: (Z, H, Nq) float32
     dqa: Z * H * Nq * 256 float32 contiguous (dQ's accumulator, transposed: (Z, H, 256, Nq); zeroed here)
 
-Why its own kernel.  A (64, 256) float32 accumulator is 128 registers a thread of a warpgroup, so the one-warpgroup
-hopper/dkdv holds dK or dV, not both: it computes S^T twice (two parts), and with hopper/dq's S, dP and dQ the
-two-kernel backward runs eight tile products per (query, key) tile where a fused one runs five.  Here a program
-owns BLOCK_N = 64 keys of one (z, h_kv) and walks BLOCK_M = 64 query rows a step, with four partitions
-(`gl.warp_specialize`):
+Why its own kernel.  A (64, 256) float32 accumulator is 128 registers a thread of a warpgroup, so a one-warpgroup
+dK/dV program (hopper/dkdv's design) holds dK or dV, not both, and two of them compute S^T twice: with hopper/dq's
+S, dP and dQ, eight tile products per (query, key) tile.  Here the dK/dV pass runs four (seven with hopper/dq)
+and the fused pass five.  A program owns BLOCK_N = 64 keys of one (z, h_kv) and walks BLOCK_M = 64 query rows a
+step, with four partitions (`gl.warp_specialize`):
 
     producer (1 warp):     K and V once; per step Q, dO (TMA) and L·log2(e), delta rows into a NUM_STAGES ring
     consumer w (4 warps, w = 0, 1), per step t:
@@ -39,8 +39,11 @@ order that varies between runs (as hopper/backward's).  Causal: a program's firs
 TMA and masked in the last key block, and their dK / dV rows are not stored.  Grouped-query attention: the step
 loop runs over the group's query heads in turn, so dK and dV sum over them without atomics.
 
-Written against Triton 3.6's Gluon API, like the other Gluon kernels; where it runs is decided by
-`cs336_systems.attention.plan` (its table `RULES`).
+Measured on an H200 (docs/flash-attention-experiments.md, Section 20): hopper/dq then the dK/dV pass take the
+backward to 0.72-0.79x the one-accumulator programs'; the fused pass is 1.13-1.29x the dK/dV pass (its dQ
+reductions and single staging tile per consumer cost more than hopper/dq), so the plan runs it only under
+`fused_bwd=on`.  Written against Triton 3.6's Gluon API, like the other Gluon kernels; where it runs is decided
+by `cs336_systems.attention.plan` (its table `RULES`: d 256's "dkdv" rule).
 """
 
 from __future__ import annotations
@@ -216,11 +219,11 @@ def _consumer(k_buf, v_buf, kv_bar, q_buf, do_buf, lse_buf, delta_buf, ready, em
     rows = start_n + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     cols = W * _COLS + gl.arange(0, _COLS, layout=gl.SliceLayout(0, acc_layout))
     inside = gl.expand_dims(rows < n_k, 1)
-    rows64 = gl.expand_dims(rows.to(gl.int64), 1)
-    gl.store(DK + z.to(gl.int64) * sk_z + kv_head * sk_h + rows64 * sk_n + gl.expand_dims(cols, 0),
-             (dk * sm_scale).to(dtype), mask=inside)
-    gl.store(DV + z.to(gl.int64) * sv_z + kv_head * sv_h + rows64 * sv_n + gl.expand_dims(cols, 0), dv.to(dtype),
+    rows64 = gl.expand_dims(rows.to(gl.int64), 1)  # 64-bit offsets: K and V may pass 2^31 elements
+    z64, kv64 = z.to(gl.int64), kv_head.to(gl.int64)
+    gl.store(DK + z64 * sk_z + kv64 * sk_h + rows64 * sk_n + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype),
              mask=inside)
+    gl.store(DV + z64 * sv_z + kv64 * sv_h + rows64 * sv_n + gl.expand_dims(cols, 0), dv.to(dtype), mask=inside)
 
 
 @gluon.jit
