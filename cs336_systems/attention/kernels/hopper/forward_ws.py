@@ -26,8 +26,9 @@ the whole tile (its output columns past d are zeros that are never stored).
 
 The arithmetic per row is hopper.forward's (same tiles, same order of products and softmax steps), so at d 64
 and 128 O and L equal that kernel's bit for bit (GPU test; at d 256 both are checked against float64).  That
-holds because BLOCK_N equals the 128-row block: each consumer's unmasked tiles are then the one-program kernel's (with 64-key tiles the second consumer
-would skip the mask on a tile that kernel masks, a result as correct but not bit-equal).  At d 80 / 96
+holds because BLOCK_N equals the 128-row block: each consumer's unmasked tiles are then the one-program
+kernel's (with 64-key tiles the second consumer would skip the mask on a tile that kernel masks, a result as
+correct but not bit-equal).  At d 80 / 96
 hopper.forward takes 64-key tiles, so there the two agree to rounding (both checked against float64).
 Causal programs run longest first; both consumers walk the key tiles of the whole 128-row block (the producer
 loads them once), each masking with its own rows, so a consumer may see a tile whose keys are all after its
@@ -66,19 +67,20 @@ ROWS = 64
 # Section 14).
 TILES = (128, 3)
 # d 256: a (64, 256) float32 O is 128 registers a thread; 32-key tiles in four stages (Q 64 KB, K + V 32 KB a
-# stage: 192 KB) measured 7-22% faster than 64-key tiles in two (whose producer waits for both consumers before a
-# tile can land) and 1-5% faster than three stages; ptxas spills nothing in any of them at 240 registers
+# stage: 192 KB) measured 8-22% faster than 64-key tiles in two (whose producer waits for both consumers before a
+# tile can land) and 1-7% faster than three stages; ptxas spills nothing in any of them at 240 registers
 # (docs/flash-attention-experiments.md, Section 20)
 TILES_256 = (32, 4)
+
+# Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
+# warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
+MAXNREG = 168
+REGS = (240, 24)
 
 
 def tiles(width: int) -> tuple[int, int]:
     """(BLOCK_N keys per tile, ring stages) for a tile width (`common.tile_dim`)."""
     return TILES if width <= 128 else TILES_256
-# Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
-# warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
-MAXNREG = 168
-REGS = (240, 24)
 
 
 @gluon.jit
