@@ -54,14 +54,15 @@ def test_fused_backward_prep_and_post_kernels_match_torch(d):
     o = torch.randn(z, n, h, d, dtype=torch.float16).transpose(1, 2)
     do = torch.randn(z, h, n, d, dtype=torch.float16)
     delta, dqa = torch.empty(z, h, n), torch.full((z, h, n, d + 1), 7.0)  # a column past d: must stay 7
-    fused_hopper._prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], D=d,
-                                          D_TILE=tile, BLOCK=64)
+    acc = (n * d, d, 1)  # the accumulator the kernels address: (Z, H, N, d) contiguous
+    common.dq_prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], *acc, D=d,
+                                      D_TILE=tile, BLOCK=64)
     torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
     flat = dqa.flatten()[: z * h * n * d]  # the accumulator the kernel addresses: (Z, H, N, d) contiguous
     assert not flat.any() and torch.equal(dqa.flatten()[z * h * n * d:], torch.full((z * h * n,), 7.0))
     dqa = torch.randn(z, h, n, d)
     dq = torch.empty(z, n, h, d, dtype=torch.float16).transpose(1, 2)
-    fused_hopper._post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], 0.125, D=d, D_TILE=tile, BLOCK=64)
+    common.dq_post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], *acc, 0.125, D=d, D_TILE=tile, BLOCK=64)
     assert torch.equal(dq, (dqa * 0.125).half())
 
 
@@ -88,12 +89,14 @@ def test_wide_backward_prep_and_post_kernels_use_the_transposed_accumulator(n):
     o = torch.randn(z, n, h, d, dtype=torch.float16).transpose(1, 2)
     do = torch.randn(z, h, n, d, dtype=torch.float16)
     delta, dqa = torch.empty(z, h, n), torch.full((z * h, d, row), 7.0)
-    wide._prep_kernel[(2, z * h)](o, do, delta, dqa, n, row, h, *o.stride()[:3], *do.stride()[:3], D=d, BLOCK=64)
+    acc = (d * row, 1, row)  # the kernels' strides for (Z * H, 256, row), as backward_wide.launch passes them
+    common.dq_prep_kernel[(2, z * h)](o, do, delta, dqa, n, h, *o.stride()[:3], *do.stride()[:3], *acc, D=d, D_TILE=d,
+                                      BLOCK=64)
     torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
     assert not dqa[..., :n].any() and (dqa[..., n:] == 7.0).all()
     dqa = torch.randn(z * h, d, row)
     dq = torch.empty(z, n, h, d, dtype=torch.float16).transpose(1, 2)
-    wide._post_kernel[(2, z * h)](dqa, dq, n, row, h, *dq.stride()[:3], 0.125, D=d, BLOCK=64)
+    common.dq_post_kernel[(2, z * h)](dqa, dq, n, h, *dq.stride()[:3], *acc, 0.125, D=d, D_TILE=d, BLOCK=64)
     assert torch.equal(dq, (dqa[..., :n].transpose(1, 2).reshape(z, h, n, d) * 0.125).half())
 
 

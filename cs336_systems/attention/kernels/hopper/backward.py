@@ -6,7 +6,8 @@ one pass over the attention matrix (five tile products per tile instead of the t
     q, o, do, dq: (Z, H, Nq, d)   k, v, dk, dv: (Z, H_kv, Nk, d)   lse, delta: (Z, H, Nq) float32, d 64-128
     dqa: (Z, H, Nq, d) float32 contiguous (dQ's accumulator, zeroed here)
 
-Three launches: `_prep_kernel` (delta = rowsum(O * dO), dqa = 0), `flash_bwd_hopper_kernel`, `_post_kernel`
+Three launches: `common.dq_prep_kernel` (delta = rowsum(O * dO), dqa = 0), `flash_bwd_hopper_kernel`,
+`common.dq_post_kernel`
 (dQ = dqa / sqrt(d) in dq's dtype and strides).  The main kernel takes FlashAttention-3's tiles: one program
 owns 128 keys of one (z, h_kv) and walks the query rows of every query head of its group in steps of BLOCK_M
 (128 at d 64, 64 at d 128).  Four partitions (`gl.warp_specialize`):
@@ -333,39 +334,6 @@ def flash_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 
 
 @triton.jit
-def _row_block(n_q, heads, D: tl.constexpr, D_TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """The program's (z * H + h, z, h), its BLOCK query rows and D columns (in a register tile of D_TILE, the
-    power of two at or above D), and the mask of rows inside Nq and columns inside D ((BLOCK, D_TILE)): grid
-    (row blocks, Z * H)."""
-    zh = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D_TILE)
-    return zh, zh // heads, zh % heads, rows, cols, (rows[:, None] < n_q) & (cols[None, :] < D)
-
-
-@triton.jit
-def _prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, D: tl.constexpr,
-                 D_TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their own strides); their rows of the
-    float32 dQ accumulator (contiguous) zeroed."""
-    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
-    o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
-    do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
-    tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
-    tl.store(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], tl.zeros(o.shape, tl.float32), mask=m)
-
-
-@triton.jit
-def _post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, D_TILE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """dQ = dqa · scale in dQ's dtype and strides, BLOCK rows of one (z, h)."""
-    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
-    x = tl.load(DQA + (zh * n_q + rows[:, None]) * D + cols[None, :], mask=m, other=0.0)
-    tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
-             mask=m)
-
-
-@triton.jit
 def _sum_kernel(DKP, DVP, DK, DV, n_k, rows_padded, split_stride, splits, kv_heads, sk_z, sk_h, sk_n, sv_z, sv_h,
                 sv_n, D: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """dK and dV = the sums of their float32 partials over the splits (DKP, DVP: (splits, Z * H_kv,
@@ -425,8 +393,9 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
     block_m = BLOCK_M[width]
     kv_heads = k.shape[1]
     rows = (triton.cdiv(n_q, 64), z * heads)
-    wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
-                             do.stride(1), do.stride(2), D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
+    acc = (n_q * d, d, 1)  # dqa's strides: (Z * H, Nq, d) contiguous
+    wrap(common.dq_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, *o.stride()[:3], *do.stride()[:3], *acc, D=d,
+                                      D_TILE=triton.next_power_of_2(d), BLOCK=64)
     n_k, group = k.shape[-2], heads // kv_heads
     blocks = triton.cdiv(n_k, BLOCK_N)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -452,5 +421,5 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
         wrap(_sum_kernel)[(triton.cdiv(n_k, 64), z * kv_heads)](
             *partials, dk, dv, n_k, blocks * BLOCK_N, partials[0][0].numel(), splits, kv_heads, *dk.stride()[:3],
             *dv.stride()[:3], D=d, WIDTH=width, BLOCK=64)
-    wrap(_post_kernel)[rows](dqa, dq, n_q, heads, dq.stride(0), dq.stride(1), dq.stride(2), 1.0 / math.sqrt(d),
-                             D=d, D_TILE=triton.next_power_of_2(d), BLOCK=64)
+    wrap(common.dq_post_kernel)[rows](dqa, dq, n_q, heads, *dq.stride()[:3], *acc, 1.0 / math.sqrt(d), D=d,
+                                      D_TILE=triton.next_power_of_2(d), BLOCK=64)

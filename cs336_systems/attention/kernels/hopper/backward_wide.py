@@ -28,7 +28,8 @@ step, with four partitions (`gl.warp_specialize`):
 So each consumer holds half of dK and of dV (64 registers each), its S^T and dP^T (16 each) and one dQ part (16):
 five tile products per (query, key) tile and no duplicated work; the consumers meet once a step (P^T and dS^T
 are needed whole by both).  dQ's float32 partial sums per 64-key block are the fused pass's cost: Nq x 256 x 4
-bytes of reductions per key block a query row sees.  The transposed accumulator is turned back by `_post_kernel`.
+bytes of reductions per key block a query row sees.  The transposed accumulator is turned back by
+`common.dq_post_kernel`.
 
 Shared memory: K, V 64 KB; the ring 2 x (Q + dO) 128 KB; the P^T / dS^T tiles 16 KB a stage (1 stage fused, 2
 otherwise); fused, the dQ staging tiles 2 x 8 KB: 224 KB either way with the ring's L and delta rows.
@@ -52,7 +53,6 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -272,36 +272,6 @@ def flash_bwd_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, sk_z
     ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
 
-@triton.jit
-def _prep_kernel(O, DO, Delta, DQA, n_q, acc_row, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, D: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their own strides), and their columns of
-    the transposed float32 dQ accumulator ((Z * H, D, acc_row) contiguous, acc_row >= Nq) zeroed."""
-    zh = tl.program_id(1)
-    z, h = zh // heads, zh % heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    m = rows[:, None] < n_q
-    o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
-    do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
-    tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
-    tl.store(DQA + (zh.to(tl.int64) * D + cols[None, :]) * acc_row + rows[:, None], tl.zeros(o.shape, tl.float32),
-             mask=m)
-
-
-@triton.jit
-def _post_kernel(DQA, DQ, n_q, acc_row, heads, sq_z, sq_h, sq_n, scale, D: tl.constexpr, BLOCK: tl.constexpr):
-    """dQ = dqa^T · scale in dQ's dtype and strides, BLOCK rows of one (z, h) (dqa: (Z * H, D, acc_row))."""
-    zh = tl.program_id(1)
-    z, h = zh // heads, zh % heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    m = rows[:, None] < n_q
-    x = tl.load(DQA + (zh.to(tl.int64) * D + cols[None, :]) * acc_row + rows[:, None], mask=m, other=0.0)
-    tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
-             mask=m)
-
-
 def accumulator_ok(n_q: int) -> bool:
     """Whether the transposed dQ accumulator (rows of Nq float32) has the 16-byte row stride TMA needs (else
     `launch` pads its rows to a multiple of 4 in an accumulator of its own)."""
@@ -344,10 +314,12 @@ def launch(q, k, v, o, do, lse, delta, dqa, dq, dk, dv, causal: bool, wrap=direc
         acc_row = -(-n_q // 4) * 4
         dqa = torch.empty(z * heads * d * acc_row, device=q.device, dtype=torch.float32)
     rows = (triton.cdiv(n_q, 64), z * heads)
-    wrap(_prep_kernel)[rows](o, do, delta, dqa, n_q, acc_row, heads, *o.stride()[:3], *do.stride()[:3], D=d,
-                             BLOCK=64)
+    acc = (d * acc_row, 1, acc_row)  # (Z * H, 256, acc_row) contiguous, read as (Z * H, Nq, 256)
+    wrap(common.dq_prep_kernel)[rows](o, do, delta, dqa, n_q, heads, *o.stride()[:3], *do.stride()[:3], *acc, D=d,
+                                      D_TILE=d, BLOCK=64)
     _kernel_launch(q, k, v, do, lse, delta, dqa, acc_row, dk, dv, causal, True, wrap)
-    wrap(_post_kernel)[rows](dqa, dq, n_q, acc_row, heads, *dq.stride()[:3], 1.0 / math.sqrt(d), D=d, BLOCK=64)
+    wrap(common.dq_post_kernel)[rows](dqa, dq, n_q, heads, *dq.stride()[:3], *acc, 1.0 / math.sqrt(d), D=d, D_TILE=d,
+                                      BLOCK=64)
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, wrap=direct) -> None:

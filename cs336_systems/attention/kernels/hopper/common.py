@@ -2,7 +2,8 @@
 widths, shared-memory rings and pairs with their mbarriers, wgmma accumulator layouts and products over
 sliced head dims, the forward's online-softmax pieces (the plain and the warp-specialized forward both
 use them), and the fused backwards' shared buffers, producer warp, query steps and dQ hand-off (hopper/backward
-and hopper/backward_wide: `alloc_backward`, `backward_producer`, `query_steps`, `stage_dq`, `reduce_add`).
+and hopper/backward_wide: `alloc_backward`, `backward_producer`, `query_steps`, `stage_dq`, `reduce_add`, and the
+small Triton kernels before and after them, `dq_prep_kernel` and `dq_post_kernel`).
 
 Tile widths: a head dim runs in the next power-of-two tile of at least 64 columns (`tile_dim`); 80 and 96 in
 128-wide tiles whose products over d skip the zero columns (`SLICED_HEAD_DIMS`, `d_split`, `dot_nt`,
@@ -18,6 +19,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,6 +50,39 @@ def alloc_ring(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_S
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
     return a_buf, b_buf, ready
+
+@triton.jit
+def _row_block(n_q, heads, D: tl.constexpr, D_TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The program's (z * H + h as int64, z, h), its BLOCK query rows and D columns (in a register tile of
+    D_TILE, the power of two at or above D), and the mask of rows inside Nq and columns inside D ((BLOCK,
+    D_TILE)): grid (row blocks, Z * H)."""
+    zh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D_TILE)
+    return zh.to(tl.int64), zh // heads, zh % heads, rows, cols, (rows[:, None] < n_q) & (cols[None, :] < D)
+
+@triton.jit
+def dq_prep_kernel(O, DO, Delta, DQA, n_q, heads, so_z, so_h, so_n, sdo_z, sdo_h, sdo_n, acc_zh, acc_n, acc_d,
+                   D: tl.constexpr, D_TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The fused backwards' first launch: delta = rowsum(O * dO) for BLOCK rows of one (z, h) (O, dO in their
+    own strides), and those rows of the float32 dQ accumulator zeroed (element (zh, n, c) at zh * acc_zh +
+    n * acc_n + c * acc_d: hopper/backward's (Z * H, Nq, d) or hopper/backward_wide's transposed one)."""
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
+    o = tl.load(O + z * so_z + h * so_h + rows[:, None] * so_n + cols[None, :], mask=m, other=0.0)
+    do = tl.load(DO + z * sdo_z + h * sdo_h + rows[:, None] * sdo_n + cols[None, :], mask=m, other=0.0)
+    tl.store(Delta + zh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
+    tl.store(DQA + zh * acc_zh + rows[:, None] * acc_n + cols[None, :] * acc_d, tl.zeros(o.shape, tl.float32),
+             mask=m)
+
+@triton.jit
+def dq_post_kernel(DQA, DQ, n_q, heads, sq_z, sq_h, sq_n, acc_zh, acc_n, acc_d, scale, D: tl.constexpr,
+                   D_TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The fused backwards' last launch: dQ = accumulator · scale in dQ's dtype and strides, BLOCK rows of one
+    (z, h) (the accumulator's strides as in `dq_prep_kernel`)."""
+    zh, z, h, rows, cols, m = _row_block(n_q, heads, D, D_TILE, BLOCK)
+    x = tl.load(DQA + zh * acc_zh + rows[:, None] * acc_n + cols[None, :] * acc_d, mask=m, other=0.0)
+    tl.store(DQ + z * sq_z + h * sq_h + rows[:, None] * sq_n + cols[None, :], (x * scale).to(DQ.dtype.element_ty),
+             mask=m)
 
 @gluon.jit
 def alloc_backward(k_desc, q_desc, do_desc, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
