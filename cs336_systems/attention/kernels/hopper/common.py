@@ -26,7 +26,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from cs336_systems.attention.kernels.exp2 import exp2_mixed_gluon
 from cs336_systems.attention.kernels.portable.launch import sm_count
 
 LOG2E = 1.4426950408889634
@@ -223,11 +222,10 @@ def wait_kv(k_buf, v_buf, ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr = 0):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one (BLOCK_M, BLOCK_N) tile of raw scores, base 2 (qk_scale = log2(e) / sqrt(d)):
     returns (P unnormalized float32, alpha = rescale of the running O, new m, new l).  Masked scores are
-    -1e6 (the reference's convention), which exp2 turns into exact zeros (~1e-38 where emulated).  EXP2: of
-    every 8 scores' exponentials, how many run on the FMA pipes (`exp2.exp2_mixed_gluon`)."""
+    -1e6 (the reference's convention), which exp2 turns into exact zeros."""
     if MASK:
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(cols, 0) < n_k
@@ -236,10 +234,10 @@ def softmax_tile(s, m_i, l_i, col0, row0, qk_scale, n_k, MASK: gl.constexpr, CAU
             visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
         s = gl.where(visible, s * qk_scale, -1.0e6)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = exp2_mixed_gluon(s - gl.expand_dims(m_new, 1), EXP2)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = exp2_mixed_gluon(s * qk_scale - gl.expand_dims(m_new, 1), EXP2)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i

@@ -107,7 +107,7 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, 
 @gluon.jit
 def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
               W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr, EXP2: gl.constexpr):
+              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr):
     """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's ring, then O through
     its half of Q's buffer and a TMA store, and L."""
     dtype: gl.constexpr = o_desc.dtype
@@ -133,10 +133,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
     if full > 0:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
-                                               s_layout, EXP2)
+                                               s_layout)
     else:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
-                                               s_layout, EXP2)
+                                               s_layout)
     for j in range(1, n_tiles):
         kj, v_prev, prev = common.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
         s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
@@ -145,10 +145,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
         if j < full:
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
-                                                   64, BLOCK_N, s_layout, EXP2)
+                                                   64, BLOCK_N, s_layout)
         else:
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
-                                                   64, BLOCK_N, s_layout, EXP2)
+                                                   64, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
         mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1}, V_{j-1} consumed by this warpgroup
 
@@ -170,7 +170,7 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
 def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               D_SPLIT: gl.constexpr, EXP2: gl.constexpr = 0):
+                               D_SPLIT: gl.constexpr):
     """Grid (query tiles of 128 rows, Z * H); num_warps 4 (the first consumer), plus a consumer warpgroup and
     the producer warp as workers."""
     dtype: gl.constexpr = q_desc.dtype
@@ -184,16 +184,16 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 0,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT, EXP2)),
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
         (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 1,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT, EXP2)),
+                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
         (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group, CAUSAL,
                      BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-            causal: bool, wrap=direct, exp2_emulated: int = 0) -> None:
+            causal: bool, wrap=direct) -> None:
     """o (like q) and lse ((Z, H, Nq) contiguous float32) written in place; q, k, v, o (Z, H, N, d), d in
     HEAD_DIMS, with TMA strides (`plan.tma_layout_ok`), k and v with H_kv heads dividing H.  ``wrap``:
     `portable.launch.direct`, or a `replay.Recorder` recording the launch."""
@@ -208,5 +208,5 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
         common.descriptor(o, ROWS),
         lse, common.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
         CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
-        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d), EXP2=exp2_emulated,
+        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d),
     )

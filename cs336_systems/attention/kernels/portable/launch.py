@@ -175,7 +175,7 @@ def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
             cfg: TileConfig, wrap: Callable = direct, longest_first: bool = True, splits: int | None = None,
-            tma: int | None = None, tiles: tuple[int, int] | None = None, exp2_emulated: int = 0) -> None:
+            tma: int | None = None, tiles: tuple[int, int] | None = None) -> None:
     """o (Z, H, Nq, d) and lse (Z * H, Nq) written in place; k, v (Z, H_kv, Nk, d); or all (BH, N, d).
 
     ``splits``: key chunks per query tile (None: `key_splits`, never with split tiles opted in unless forced);
@@ -224,7 +224,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, 
         q, k, v, o, lse, k_desc, v_desc, *zhn_strides(q), *zhn_strides(k), *zhn_strides(v), *zhn_strides(o),
         n_queries, k.shape[-2], heads, group, qk_scale=LOG2E / math.sqrt(d),
         CAUSAL=causal, HEAD_DIM=d, PRECISION=precision(q.dtype), TMA=tma, BLOCK_D=tiles[0], BLOCK_D2=tiles[1],
-        LONGEST_FIRST=longest_first, EXP2=exp2_emulated, **cfg.launch_kwargs(),
+        LONGEST_FIRST=longest_first, **cfg.launch_kwargs(),
     )
 
 
