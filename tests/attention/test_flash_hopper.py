@@ -278,11 +278,11 @@ def test_tiles_fit_shared_memory_at_every_head_dim():
         assert (block_m, block_n, stages) == hopper.PADDED_TILES == (64, 64, 3)
         assert 2 * (2 * 128 * (block_m + 2 * stages * block_n) + 1024) <= 228 * 1024, d
     assert hopper.tiles(128) == (128, 128, 3) and hopper.tiles(64) == (128, 128, 3)
-    # the warp-specialized forward (d 64-128, 80 / 96 in 128-wide tiles): Q's two 64-row halves and its K/V
-    # ring in one program
+    # the warp-specialized forward (d 64-256, 80 / 96 in 128-wide tiles): Q's two 64-row halves and its K and
+    # V rings in one program
     for d in ws_hopper.HEAD_DIMS:
-        block_n, stages = ws_hopper.tiles(common.tile_dim(d))
-        assert 2 * common.tile_dim(d) * (2 * ws_hopper.ROWS + 2 * stages * block_n) <= 227 * 1024, d
+        block_n, k_stages, v_stages = ws_hopper.tiles(common.tile_dim(d))
+        assert 2 * common.tile_dim(d) * (2 * ws_hopper.ROWS + (k_stages + v_stages) * block_n) <= 227 * 1024, d
     # its registers: 65536 a program, spread over 12 warps at launch, then rebalanced per warpgroup
     assert 12 * 32 * ws_hopper.MAXNREG <= 65536 and ws_hopper.MAXNREG % 8 == 0
     assert sum(ws_hopper.REGS) + ws_hopper.REGS[0] <= 3 * ws_hopper.MAXNREG
@@ -536,7 +536,7 @@ def test_gpu_warp_specialized_forward_equals_the_one_program_kernel(z, heads, nq
     (2, (3, 3), 1, 300, 96, True, True),  # one query row: the second warpgroup's rows are all past Nq
     (1, (8, 2), 2048, 2048, 80, True, True),  # grouped K/V heads
     (2, (3, 3), 200, 700, 96, True, False),  # causal, Nk > Nq
-    (1, (4, 4), 4096, 4096, 256, True, True),  # d 256: 64-key tiles in two stages
+    (1, (4, 4), 4096, 4096, 256, True, True),  # d 256: 64-key tiles, K's ring in three stages and V's in two
     (2, (3, 3), 1000, 1025, 256, False, False),
     (2, (3, 3), 1, 300, 256, True, True),
     (1, (8, 2), 2048, 2048, 256, True, False),

@@ -8,18 +8,21 @@ code puts a CTA-wide barrier before every TMA issue and around the ring's waits,
 warpgroups into the same step, so neither's softmax runs under the other's products.  Here the program is
 split with `gl.warp_specialize` into three partitions over one shared-memory plan:
 
-    producer (1 warp):            Q's two 64-row halves, then K_j, V_j into ring stage j % NUM_STAGES once both
-                                  consumers have released the tile that stage held (`empty`, count 2)
+    producer (1 warp):            Q's two 64-row halves, then K_j into K's ring stage j % K_STAGES and V_j into
+                                  V's ring stage j % V_STAGES, each once both consumers have released the tile
+                                  that stage held (`k_empty`, `v_empty`, count 2)
     consumer w (4 warps, w 0, 1): rows start_m + 64 w .. + 64, per key tile j, as hopper.forward's warpgroup:
-                                  S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued asynchronously, the softmax of
-                                  S_j under P_{j-1} V_{j-1}, then release tile j - 1's stage
+                                  S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued asynchronously, K_j released once
+                                  S_j is done, the softmax of S_j under P_{j-1} V_{j-1}, then V_{j-1} released
 
 Each partition synchronizes only its own warps, so the two consumers drift apart and one's exponentials
 overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
 rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
-then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  Shared memory: Q 2 x 64 rows and
-NUM_STAGES x (K + V) tiles of BLOCK_N keys: 224 KB at d 128 with 128-key tiles and 3 stages, 192 KB at d 256
-with 32-key tiles and 4 (`tiles`; there O alone is 128 registers a thread).  d 80 and 96 run
+then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  K and V have rings of their own: K_j
+is free as soon as both consumers' S_j is done, a step before V_j, so the producer can run further ahead on K,
+the tile each step waits for first.  Shared memory: Q 2 x 64 rows, K_STAGES K tiles and V_STAGES V tiles of
+BLOCK_N keys (`tiles`): 224 KB at d 128 (128-key tiles, 3 + 3 stages) and at d 256 (64-key tiles, 3 + 2; there
+O alone is 128 registers a thread).  d 80 and 96 run
 in d 128's tiles (`common.tile_dim`: TMA zero-fills the columns past d and drops them on the store), with
 S = Q K^T over d in two slices (`common.d_split`: 64 + 16 or 32 columns, wgmma skipping the zeros); P V keeps
 the whole tile (its output columns past d are zeros that are never stored).
@@ -62,15 +65,15 @@ from cs336_systems.attention.kernels.portable.launch import direct
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
 ROWS = 64
-# (BLOCK_N keys per tile, ring stages): with two stages the producer waits for both consumers before a tile
-# can land, which serializes them again; 64-key tiles measured slower too (docs/flash-attention-experiments.md,
-# Section 14).
-TILES = (128, 3)
-# d 256: a (64, 256) float32 O is 128 registers a thread; 32-key tiles in four stages (Q 64 KB, K + V 32 KB a
-# stage: 192 KB) measured 8-22% faster than 64-key tiles in two (whose producer waits for both consumers before a
-# tile can land) and 1-7% faster than three stages; ptxas spills nothing in any of them at 240 registers
-# (docs/flash-attention-experiments.md, Section 20)
-TILES_256 = (32, 4)
+# (BLOCK_N keys per tile, K ring stages, V ring stages): with two stages of a joint K + V ring the producer
+# waited for both consumers before a tile could land, which serialized them again; 64-key tiles measured slower
+# too (docs/flash-attention-experiments.md, Section 14).
+TILES = (128, 3, 3)
+# d 256: a (64, 256) float32 O is 128 registers a thread; 64-key tiles, K in three stages and V in two (Q 64 KB,
+# K 96, V 64: 224 KB); with a joint ring, 32-key tiles in four stages had measured 8-22% faster than 64-key
+# tiles in two and 1-7% faster than three stages; ptxas spills nothing in any of them at 240 registers
+# (docs/flash-attention-experiments.md, Sections 20 and 21)
+TILES_256 = (64, 3, 2)
 
 # Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
 # warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
@@ -78,37 +81,62 @@ MAXNREG = 168
 REGS = (240, 24)
 
 
-def tiles(width: int) -> tuple[int, int]:
-    """(BLOCK_N keys per tile, ring stages) for a tile width (`common.tile_dim`)."""
+def tiles(width: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, K stages, V stages) for a tile width (`common.tile_dim`)."""
     return TILES if width <= 128 else TILES_256
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """TMA loads: Q's two halves once (q_bar), then every key tile of the block into the ring, each stage
-    reused once both consumers released it."""
+def _ring(desc, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """STAGES shared-memory boxes of (1, 1, BLOCK_N, HEAD_DIM) and their `ready` (count 1, the TMA load) and
+    `empty` (count 2, one arrival per consumer warpgroup) barriers, initialized."""
+    buf = gl.allocate_shared_memory(desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return buf, ready, empty
+
+
+@gluon.jit
+def _load_tile(desc, coord_z, coord_h, row, buf, ready, empty, j, STAGES: gl.constexpr):
+    """Tile j into stage j % STAGES, once both consumers released the tile j - STAGES it held."""
+    stage = j % STAGES
+    if j >= STAGES:
+        mbarrier.wait(empty.index(stage), ((j // STAGES) - 1) & 1)
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [coord_z, coord_h, row, 0], ready.index(stage), buf.index(stage))
+
+
+@gluon.jit
+def _tile(buf, ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Tile j's (BLOCK_N, HEAD_DIM) view, once its load landed, and its stage."""
+    stage = j % STAGES
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+    return buf.index(stage).reshape([BLOCK_N, HEAD_DIM]), stage
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, n_k, heads,
+              group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """TMA loads: Q's two halves once (q_bar), then every key tile of the block, K_j then V_j, each into its own
+    ring."""
     bh, z, h, kv_head, start_m = common.query_tile(heads, group, 128, CAUSAL)
     n_tiles, full = common.key_tiles(start_m, n_k, 128, BLOCK_N, CAUSAL)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf.index(0))
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m + 64, 0], q_bar, q_buf.index(1))
     for j in range(n_tiles):
-        stage = j % NUM_STAGES
-        if j >= NUM_STAGES:  # the tile this stage held, j - NUM_STAGES, released by both consumers
-            mbarrier.wait(empty.index(stage), ((j // NUM_STAGES) - 1) & 1)
-        mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [z, kv_head, j * BLOCK_N, 0], ready.index(stage),
-                                        k_buf.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [z, kv_head, j * BLOCK_N, 0], ready.index(stage),
-                                        v_buf.index(stage))
+        _load_tile(k_desc, z, kv_head, j * BLOCK_N, k_buf, k_ready, k_empty, j, K_STAGES)
+        _load_tile(v_desc, z, kv_head, j * BLOCK_N, v_buf, v_ready, v_empty, j, V_STAGES)
 
 
 @gluon.jit
-def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group,
-              W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, D_SPLIT: gl.constexpr):
-    """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's ring, then O through
+def _consumer(o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, L, qk_scale, n_q, n_k, heads,
+              group, W: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, D_SPLIT: gl.constexpr):
+    """Rows start_m + 64 W .. + 64: hopper.forward's warpgroup loop on the producer's rings, then O through
     its half of Q's buffer and a TMA store, and L."""
     dtype: gl.constexpr = o_desc.dtype
     bh, z, h, kv_head, start_m = common.query_tile(heads, group, 128, CAUSAL)
@@ -127,10 +155,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
 
-    mbarrier.wait(ready.index(0), 0)
-    k0 = k_buf.index(0).reshape([BLOCK_N, HEAD_DIM])
+    k0, k_stage = _tile(k_buf, k_ready, 0, BLOCK_N, HEAD_DIM, K_STAGES)
     s_tok = common.dot_nt(q_smem, k0, s_zero, D_SPLIT)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
+    mbarrier.arrive(k_empty.index(k_stage), count=1)
     if full > 0:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
                                                s_layout)
@@ -138,11 +166,13 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, True, CAUSAL, 64, BLOCK_N,
                                                s_layout)
     for j in range(1, n_tiles):
-        kj, v_prev, prev = common.wait_kv(k_buf, v_buf, ready, j, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        kj, k_stage = _tile(k_buf, k_ready, j, BLOCK_N, HEAD_DIM, K_STAGES)
         s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
+        v_prev, v_stage = _tile(v_buf, v_ready, j - 1, BLOCK_N, HEAD_DIM, V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
+        mbarrier.arrive(k_empty.index(k_stage), count=1)  # S_j done: K_j consumed by this warpgroup
         if j < full:
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
                                                    64, BLOCK_N, s_layout)
@@ -150,10 +180,9 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
-        mbarrier.arrive(empty.index(prev), count=1)  # K_{j-1}, V_{j-1} consumed by this warpgroup
+        mbarrier.arrive(v_empty.index(v_stage), count=1)  # V_{j-1} consumed by this warpgroup
 
-    last = (n_tiles - 1) % NUM_STAGES
-    v_last = v_buf.index(last).reshape([BLOCK_N, HEAD_DIM])
+    v_last, v_stage = _tile(v_buf, v_ready, n_tiles - 1, BLOCK_N, HEAD_DIM, V_STAGES)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_tok = warpgroup_mma(p_op, v_last, common.rescaled(acc, alpha), is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
@@ -169,26 +198,24 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q
 @gluon.jit
 def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q, n_k, heads, group,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               D_SPLIT: gl.constexpr):
+                               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, D_SPLIT: gl.constexpr):
     """Grid (query tiles of 128 rows, Z * H); num_warps 4 (the first consumer), plus a consumer warpgroup and
     the producer warp as workers."""
     dtype: gl.constexpr = q_desc.dtype
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    k_buf, v_buf, ready = common.alloc_ring(k_desc, v_desc, BLOCK_N, HEAD_DIM, NUM_STAGES)
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    k_buf, k_ready, k_empty = _ring(k_desc, BLOCK_N, HEAD_DIM, K_STAGES)
+    v_buf, v_ready, v_empty = _ring(v_desc, BLOCK_N, HEAD_DIM, V_STAGES)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 0,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
-        (_consumer, (o_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, L, qk_scale, n_q, n_k, heads, group, 1,
-                     CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, D_SPLIT)),
-        (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, v_buf, ready, empty, n_k, heads, group, CAUSAL,
-                     BLOCK_N, NUM_STAGES)),
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, L, qk_scale, n_q, n_k,
+                     heads, group, 0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, D_SPLIT)),
+        (_consumer, (o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, L, qk_scale, n_q, n_k,
+                     heads, group, 1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, D_SPLIT)),
+        (_producer, (q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, n_k,
+                     heads, group, CAUSAL, BLOCK_N, K_STAGES, V_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -201,12 +228,13 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
     if d not in HEAD_DIMS:
         raise ValueError(f"the warp-specialized forward takes head dims {HEAD_DIMS}; got d={d}")
     heads, n_k = q.shape[1], k.shape[-2]
-    block_n, stages = tiles(common.tile_dim(d))
+    block_n, k_stages, v_stages = tiles(common.tile_dim(d))
     grid = (triton.cdiv(n_q, BLOCK_M), q.shape[0] * heads)
     wrap(flash_fwd_hopper_ws_kernel)[grid](
         common.descriptor(q, ROWS), common.descriptor(k, block_n), common.descriptor(v, block_n),
         common.descriptor(o, ROWS),
         lse, common.LOG2E / math.sqrt(d), n_q, n_k, heads, heads // k.shape[1],
-        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_N=block_n, NUM_STAGES=stages, CONSUMER_REGS=REGS[0],
+        CAUSAL=causal, HEAD_DIM=common.tile_dim(d), BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
+        CONSUMER_REGS=REGS[0],
         PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=MAXNREG, D_SPLIT=common.d_split(d),
     )
