@@ -282,9 +282,10 @@ RULES: tuple[Rule, ...] = (
          "measured", f"H200, 31.3 vs 41.4 us at B 4, H 32, N 512 ({_EXP} §14)", min_k=512, per_sm=1),
     Rule("fwd", (128,), "warp-specialized producer/consumer pipeline: faster from 2048 keys",
          f"H100, 0.164 vs 0.194 ms at B 4, H 16, N 2048 ({_EXP} §14)", min_k=2048, per_sm=1),
-    Rule("fwd", (256,), "the warp-specialized forward (32-key tiles, four stages) from two 128-row programs an SM",
-         f"H200, 0.593 vs 0.636 ms (portable) at B 1, H 8, N 8192, 0.954 vs 2.134 without the mask, 3.888 vs 4.455 "
-         f"(one program) at N 65536; lost at 128 programs ({_EXP} §20)", min_k=2048, per_sm=2, devices=("H200",)),
+    Rule("fwd", (256,), "the warp-specialized forward (64-key tiles, separate K and V rings) from a 128-row "
+         "program per SM", f"H200, 0.460 vs 0.636 ms (portable) at B 1, H 8, N 8192, 0.747 vs 2.134 without the "
+         f"mask, 0.379 vs 0.588 (one program) at B 1, H 2, N 16384 (256 programs); 32-key tiles lost at 128 "
+         f"programs ({_EXP} §20, §21)", min_k=2048, per_sm=1, devices=("H200",)),
     Rule("fwd", (256,), "32-key tiles amortize a program's unoverlapped products only on long rows",
          f"H200, B·H 1: 256 programs at N 32768 won, 128 at N 16384 lost ({_EXP} §14)", min_k=16384, per_sm=1),
     # which Gluon forward: the warp-specialized one (hopper/forward_ws) where one of these matches, else hopper/forward
@@ -295,9 +296,10 @@ RULES: tuple[Rule, ...] = (
          "the one-program kernel's 64-key tiles win", f"H200, 0.413 vs 0.551 ms at B 1, H 16, N 8192 (d 80); "
          f"0.044 vs 0.034 ms at B 4, H 32, N 512; not yet measured on an H100 ({_EXP} §18, §19)",
          min_k=2048, devices=("H200",)),
-    Rule("fwd-ws", (256,), "32-key tiles in four stages: 0.86-0.93x the forward planned before, from two 128-row "
-         "programs an SM (not below: 1.27x at 128 programs)", f"H200, B 1, H 8, N 8192 and B 4, H 16, N 2048 to "
-         f"B 1, H 1, N 65536; not yet measured on an H100 ({_EXP} §20)", per_sm=2, devices=("H200",)),
+    Rule("fwd-ws", (256,), "64-key tiles, K and V in separate two-stage rings: 0.79-0.81x the 32-key joint ring, "
+         "which was 0.86-0.93x the forward planned before it; from a 128-row program per SM (the 32-key tiles lost "
+         "at 128 programs, 1.27x)", f"H200, B 1, H 8, N 8192, B 4, H 16, N 2048 and B 1, H 2, N 16384; not yet "
+         f"measured on an H100 ({_EXP} §20, §21)", per_sm=1, devices=("H200",)),
     # dQ (hopper/dq)
     Rule("dq", (80, 96), "sliced products; slower than the portable kernel past 16384 queries",
          f"H200, N 8192 and 65536 measured ({_EXP} §14)", min_q=512, max_q=16384),

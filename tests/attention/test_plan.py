@@ -43,12 +43,12 @@ TABLE = [
     (problem(1, 64, 2048, 128, nk=2047, causal=False), (P, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 2, 2048, 128, causal=False), (P, TWO, HOP, P, CUSTOM)),  # 32 programs: few
     (problem(1, 1, 32768, 128, causal=False), (WS, FUSED, "-", "-", CUSTOM)),  # 256 programs: one per SM
-    # forward at d 256: warp-specialized from two 128-row programs per SM (H200 rule), else the one-program
-    # kernel from 16384 keys and a program per SM
+    # forward at d 256: warp-specialized from 2048 keys and a 128-row program per SM (H200 rules), else (H100)
+    # the one-program kernel from 16384 keys and a program per SM
     (problem(1, 8, 16384, 256), (WS, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 64, 8192, 256), (WS, TWO, HOP, HOP, CUSTOM)),
     (problem(1, 3, 16384, 256), (WS, TWO, HOP, HOP, CUSTOM)),  # 384 programs
-    (problem(1, 2, 16384, 256), (HOP, TWO, HOP, HOP, CUSTOM)),  # 256 programs: fewer than two per SM
+    (problem(1, 2, 16384, 256), (WS, TWO, HOP, HOP, CUSTOM)),  # 256 programs: one per SM
     (problem(1, 1, 16384, 256), (P, TWO, HOP, HOP, CUSTOM)),  # 128 programs: fewer than SMs
     (problem(2, 8, 1024, 256, causal=False), (P, TWO, P, P, TRITON_OP)),  # 1024 keys: short rows
     # d 80 / 96: the forward from 512 keys, programs counted in 128-row units
@@ -119,6 +119,7 @@ H100_DIFFERS = {
     problem(1, 64, 8192, 256): (P, TWO, HOP, HOP, CUSTOM),
     problem(1, 3, 16384, 256): (HOP, TWO, HOP, HOP, CUSTOM),
     problem(1, 8, 8192, 256, hkv=2): (P, TWO, HOP, P, CUSTOM),
+    problem(1, 2, 16384, 256): (HOP, TWO, HOP, HOP, CUSTOM),
 }
 
 

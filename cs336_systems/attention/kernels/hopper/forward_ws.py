@@ -18,11 +18,12 @@ split with `gl.warp_specialize` into three partitions over one shared-memory pla
 Each partition synchronizes only its own warps, so the two consumers drift apart and one's exponentials
 overlap the other's tensor-core work (what FlashAttention-3's ping-pong schedules explicitly).  Registers are
 rebalanced per partition: the launch's 168 a thread over 12 warps (the producer's warpgroup has 3 idle warps),
-then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  K and V have rings of their own: K_j
-is free as soon as both consumers' S_j is done, a step before V_j, so the producer can run further ahead on K,
-the tile each step waits for first.  Shared memory: Q 2 x 64 rows, K_STAGES K tiles and V_STAGES V tiles of
-BLOCK_N keys (`tiles`): 224 KB at d 128 (128-key tiles, 3 + 3 stages) and at d 256 (64-key tiles, 3 + 2; there
-O alone is 128 registers a thread).  d 80 and 96 run
+then 240 for each consumer warpgroup and 24 for the producer's (`REGS`).  At d 256 K and V have rings of their
+own: K_j is free as soon as both consumers' S_j is done, a step before V_j, so the producer runs further ahead
+on K, the tile each step waits for first; at d <= 128 one ring holds both, released after P_j V_j (`tiles`).
+Shared memory: Q 2 x 64 rows and the rings' tiles of BLOCK_N keys: 224 KB at d 128 (128-key tiles, three
+stages of K + V), 192 KB at d 256 (64-key tiles, two stages of K and two of V; there O alone is 128 registers a
+thread).  d 80 and 96 run
 in d 128's tiles (`common.tile_dim`: TMA zero-fills the columns past d and drops them on the store), with
 S = Q K^T over d in two slices (`common.d_split`: 64 + 16 or 32 columns, wgmma skipping the zeros); P V keeps
 the whole tile (its output columns past d are zeros that are never stored).
@@ -39,8 +40,8 @@ rows: its scores are masked to -1e6 and add zeros.
 
 Written against Triton 3.6's Gluon API, like the other Gluon kernels.  Where the Gluon forward runs is decided by
 `cs336_systems.attention.plan` (its table `RULES`), whose "fwd-ws" rules take this kernel instead of
-hopper.forward's (at d 64 and 128 always, at d 80 / 96 from 2048 keys, at d 256 from two 128-row programs an
-SM).
+hopper.forward's (at d 64 and 128 always, at d 80 / 96 from 2048 keys, at d 256 from 2048 keys and a 128-row
+program per SM).
 """
 
 from __future__ import annotations
@@ -65,15 +66,17 @@ from cs336_systems.attention.kernels.portable.launch import direct
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of ROWS
 ROWS = 64
-# (BLOCK_N keys per tile, K ring stages, V ring stages): with two stages of a joint K + V ring the producer
-# waited for both consumers before a tile could land, which serialized them again; 64-key tiles measured slower
-# too (docs/flash-attention-experiments.md, Section 14).
-TILES = (128, 3, 3)
-# d 256: a (64, 256) float32 O is 128 registers a thread; 64-key tiles, K in three stages and V in two (Q 64 KB,
-# K 96, V 64: 224 KB); with a joint ring, 32-key tiles in four stages had measured 8-22% faster than 64-key
-# tiles in two and 1-7% faster than three stages; ptxas spills nothing in any of them at 240 registers
-# (docs/flash-attention-experiments.md, Sections 20 and 21)
-TILES_256 = (64, 3, 2)
+# (BLOCK_N keys per tile, K ring stages, V ring stages; V_STAGES 0: one joint ring, K_j and V_j in stage
+# j % K_STAGES, landing on one barrier and released together after P_j V_j).  d <= 128: the joint ring; the
+# separate rings measured 0-3% slower there (docs/flash-attention-experiments.md, Section 21); with two stages the
+# producer waits for both consumers before a tile can land, which serializes them again, and 64-key tiles
+# measured slower too (Section 14).
+TILES = (128, 3, 0)
+# d 256: a (64, 256) float32 O is 128 registers a thread; 64-key tiles, K and V in separate rings of two stages
+# (Q 64 KB, K 64, V 64: 192 KB): 0.79x the joint ring's 32-key tiles in four stages (which had measured 8-22%
+# faster than the joint ring's 64-key tiles in two), K in three stages no faster; ptxas spills nothing in any of
+# them at 240 registers (docs/flash-attention-experiments.md, Sections 20 and 21)
+TILES_256 = (64, 2, 2)
 
 # Registers a thread: the launch's budget (65536 over 12 warps, a multiple of 8), then each consumer
 # warpgroup's and the producer's after the rebalancing (240 + 240 + 24 <= 3 x 168).
@@ -82,7 +85,7 @@ REGS = (240, 24)
 
 
 def tiles(width: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, K stages, V stages) for a tile width (`common.tile_dim`)."""
+    """(BLOCK_N keys per tile, K stages, V stages; 0: V in K's ring) for a tile width (`common.tile_dim`)."""
     return TILES if width <= 128 else TILES_256
 
 
@@ -118,6 +121,18 @@ def _tile(buf, ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: 
 
 
 @gluon.jit
+def _v_tile(v_buf, v_ready, v_empty, k_empty, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """V_j's view once it landed, its stage and the barriers that free it: V's ring, or with one ring
+    (V_STAGES 0) K's stage, whose barrier the caller already waited on for K_j."""
+    if V_STAGES == 0:
+        return v_buf.index(j % K_STAGES).reshape([BLOCK_N, HEAD_DIM]), j % K_STAGES, k_empty
+    else:
+        view, stage = _tile(v_buf, v_ready, j, BLOCK_N, HEAD_DIM, V_STAGES)
+        return view, stage, v_empty
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, n_k, heads,
               group, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """TMA loads: Q's two halves once (q_bar), then every key tile of the block, K_j then V_j, each into its own
@@ -128,8 +143,18 @@ def _producer(q_desc, k_desc, v_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_b
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m, 0], q_bar, q_buf.index(0))
     tma.async_copy_global_to_shared(q_desc, [z, h, start_m + 64, 0], q_bar, q_buf.index(1))
     for j in range(n_tiles):
-        _load_tile(k_desc, z, kv_head, j * BLOCK_N, k_buf, k_ready, k_empty, j, K_STAGES)
-        _load_tile(v_desc, z, kv_head, j * BLOCK_N, v_buf, v_ready, v_empty, j, V_STAGES)
+        if V_STAGES == 0:  # one ring: K_j and V_j land on K's barrier, free once both consumers' P_j V_j is done
+            stage = j % K_STAGES
+            if j >= K_STAGES:
+                mbarrier.wait(k_empty.index(stage), ((j // K_STAGES) - 1) & 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [z, kv_head, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_buf.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [z, kv_head, j * BLOCK_N, 0], k_ready.index(stage),
+                                            v_buf.index(stage))
+        else:
+            _load_tile(k_desc, z, kv_head, j * BLOCK_N, k_buf, k_ready, k_empty, j, K_STAGES)
+            _load_tile(v_desc, z, kv_head, j * BLOCK_N, v_buf, v_ready, v_empty, j, V_STAGES)
 
 
 @gluon.jit
@@ -158,7 +183,8 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_e
     k0, k_stage = _tile(k_buf, k_ready, 0, BLOCK_N, HEAD_DIM, K_STAGES)
     s_tok = common.dot_nt(q_smem, k0, s_zero, D_SPLIT)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, q_smem, k0))[0]
-    mbarrier.arrive(k_empty.index(k_stage), count=1)
+    if V_STAGES > 0:
+        mbarrier.arrive(k_empty.index(k_stage), count=1)
     if full > 0:
         p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, 0, row0, qk_scale, n_k, False, CAUSAL, 64, BLOCK_N,
                                                s_layout)
@@ -168,11 +194,13 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_e
     for j in range(1, n_tiles):
         kj, k_stage = _tile(k_buf, k_ready, j, BLOCK_N, HEAD_DIM, K_STAGES)
         s_tok = common.dot_nt(q_smem, kj, s_zero, D_SPLIT)
-        v_prev, v_stage = _tile(v_buf, v_ready, j - 1, BLOCK_N, HEAD_DIM, V_STAGES)
+        v_prev, v_stage, v_free = _v_tile(v_buf, v_ready, v_empty, k_empty, j - 1, BLOCK_N, HEAD_DIM, K_STAGES,
+                                          V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_tok = warpgroup_mma(p_op, v_prev, common.rescaled(acc, alpha), is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, kj))[0]
-        mbarrier.arrive(k_empty.index(k_stage), count=1)  # S_j done: K_j consumed by this warpgroup
+        if V_STAGES > 0:
+            mbarrier.arrive(k_empty.index(k_stage), count=1)  # S_j done: K_j consumed by this warpgroup
         if j < full:
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, False, CAUSAL,
                                                    64, BLOCK_N, s_layout)
@@ -180,9 +208,10 @@ def _consumer(o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_e
             p, alpha, m_i, l_i = common.softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, qk_scale, n_k, True, CAUSAL,
                                                    64, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_prev))[0]
-        mbarrier.arrive(v_empty.index(v_stage), count=1)  # V_{j-1} consumed by this warpgroup
+        mbarrier.arrive(v_free.index(v_stage), count=1)  # V_{j-1} (and with one ring K_{j-1}) consumed
 
-    v_last, v_stage = _tile(v_buf, v_ready, n_tiles - 1, BLOCK_N, HEAD_DIM, V_STAGES)
+    v_last, v_stage, v_free = _v_tile(v_buf, v_ready, v_empty, k_empty, n_tiles - 1, BLOCK_N, HEAD_DIM, K_STAGES,
+                                      V_STAGES)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_tok = warpgroup_mma(p_op, v_last, common.rescaled(acc, alpha), is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, v_last))[0]
@@ -207,7 +236,8 @@ def flash_fwd_hopper_ws_kernel(q_desc, k_desc, v_desc, o_desc, L, qk_scale, n_q,
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     k_buf, k_ready, k_empty = _ring(k_desc, BLOCK_N, HEAD_DIM, K_STAGES)
-    v_buf, v_ready, v_empty = _ring(v_desc, BLOCK_N, HEAD_DIM, V_STAGES)
+    # one ring (V_STAGES 0): V's boxes beside K's stages, its barriers unused
+    v_buf, v_ready, v_empty = _ring(v_desc, BLOCK_N, HEAD_DIM, V_STAGES if V_STAGES > 0 else K_STAGES)
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (o_desc, q_buf, q_bar, k_buf, k_ready, k_empty, v_buf, v_ready, v_empty, L, qk_scale, n_q, n_k,
